@@ -1,0 +1,367 @@
+"""Gradient-magnitude histograms by binade, and what casting them to a format at a loss scale does.
+
+Bins (one row of ``NBINS`` = 257 counts per tensor)::
+
+    column 0          exact zeros (+0 and -0)
+    column 1          0 < |x| <= 2**-126          ("below": fp32/bf16 subnormals)
+    column k + 128    2**k < |x| <= 2**(k+1)      for k = -126 ... 126 (one binade each)
+    column 255        |x| > 2**127, including inf ("above")
+    column 256        nan
+
+Binades are closed at the top, so an exact power of two counts in the binade below it. That
+convention makes flush-to-zero predictions exact: an fp16 cast sends |x| <= 2**-25 to zero
+(2**-25 itself is a tie that rounds to even, i.e. to 0), which is exactly the binades up to 2**-25.
+
+Keys are computed from the bits on the tensor's own device: ``((bits(|x|) - 1) >> 23) + 1`` is
+the column above for every fp32 value (zero gives -1 + 1 = 0; nan patterns, which lie above inf,
+give 256), fp16 and bf16 are exact in fp32, and all tensors of a step share one ``bincount``
+into a preallocated counts buffer. No ``.item()``, no host copy per tensor::
+
+    >>> import torch, ampviz.histogram as H
+    >>> h = H.histogram(torch.tensor([0.0, 1e-8, 3.0, float("inf")]))
+    >>> int(h[H.ZERO]), int(h[H.column(1)]), int(h[H.ABOVE])     # 3.0 is in (2, 4]
+    (1, 1, 1)
+    >>> H.fate(h.numpy(), "fp16", scale=1.0).flushed                    # 1e-8 -> 0 in fp16
+    1
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .formats import Format, get_format
+
+__all__ = [
+    "NBINS", "ZERO", "BELOW", "ABOVE", "NAN", "K_MIN", "K_MAX", "column", "binade_exponents",
+    "lower_edges", "upper_edges", "histogram", "histograms", "Binner", "Fate", "fate", "fate_table",
+    "max_magnitude", "shift", "bin_labels",
+]
+
+NBINS = 257
+ZERO, BELOW, ABOVE, NAN = 0, 1, 255, 256
+K_MIN, K_MAX = -126, 126          # binade exponents with a column of their own
+_K_OFFSET = 128                   # column = k + 128
+
+
+def column(k: int) -> int:
+    """Column of the binade (2**k, 2**(k+1)]."""
+    if not K_MIN <= k <= K_MAX:
+        raise ValueError(f"k: binade exponent must be in [{K_MIN}, {K_MAX}], got {k}")
+    return k + _K_OFFSET
+
+
+def binade_exponents() -> np.ndarray:
+    """k for the binade columns 2..254, in column order."""
+    return np.arange(K_MIN, K_MAX + 1)
+
+
+def lower_edges() -> np.ndarray:
+    """Lower edge (exclusive) of each column's magnitude range; nan for the nan column."""
+    lo = np.empty(NBINS)
+    lo[ZERO], lo[BELOW], lo[ABOVE], lo[NAN] = 0.0, 0.0, 2.0 ** 127, np.nan
+    lo[2:ABOVE] = np.ldexp(1.0, binade_exponents())
+    return lo
+
+
+def upper_edges() -> np.ndarray:
+    """Upper edge (inclusive) of each column's magnitude range; inf for "above", nan for nan."""
+    hi = np.empty(NBINS)
+    hi[ZERO], hi[BELOW], hi[ABOVE], hi[NAN] = 0.0, 2.0 ** -126, np.inf, np.nan
+    hi[2:ABOVE] = np.ldexp(1.0, binade_exponents() + 1)
+    return hi
+
+
+def bin_labels() -> list[str]:
+    """Short human labels, one per column ("0", "<=2^-126", "(2^-24,2^-23]", ">2^127", "nan")."""
+    labels = ["0", "<=2^-126"] + [f"(2^{k},2^{k + 1}]" for k in binade_exponents()]
+    return labels + [">2^127", "nan"]
+
+
+# ---------------------------------------------------------------------------- binning engine
+class Binner:
+    """Turns tensors into bin keys in a flat buffer and counts them with one bincount.
+
+    ``add(x, row)`` writes the keys of ``x`` (offset by ``row * NBINS``) into the buffer;
+    ``submit()`` counts everything buffered into ``target`` (a flat int64 tensor of
+    ``rows * NBINS``). On CPU the count runs in a background thread (torch releases the GIL),
+    overlapping with the rest of the training step; the key buffers are double-buffered so
+    the next tensors never overwrite keys still being counted. On CUDA the count is an
+    ``index_add_`` (``torch.bincount`` on CUDA reads its max back to the host: a sync).
+    """
+
+    def __init__(self, device, capacity: int = 1 << 22, background: bool | None = None):
+        self.device = torch.device(device)
+        self.capacity = int(max(capacity, 1 << 12))
+        self.background = (self.device.type == "cpu") if background is None else bool(background)
+        nbuf = 2 if self.background else 1
+        self._bufs = [torch.empty(self.capacity, dtype=torch.int32, device=self.device) for _ in range(nbuf)]
+        self._scratch16 = None
+        self._pending = [None] * nbuf          # future still reading each buffer
+        self._cur, self._fill = 0, 0
+        self.target: torch.Tensor | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ampviz-bincount") if self.background else None
+        self._lock = threading.Lock()
+
+    def add(self, x: torch.Tensor, row: int) -> None:
+        """Append the keys of every element of ``x`` to the buffer, for counts row ``row``."""
+        if x.is_sparse:
+            x = x.coalesce().values()          # only stored values are counted
+        flat = x.detach().reshape(-1)
+        offset = row * NBINS + 1
+        start = 0
+        while start < flat.numel():
+            if self._fill == self.capacity:
+                self.submit()
+            n = min(flat.numel() - start, self.capacity - self._fill)
+            self._write_keys(flat[start:start + n], offset)
+            start += n
+
+    def _write_keys(self, chunk: torch.Tensor, offset: int) -> None:
+        buf = self._bufs[self._cur]
+        if self._fill == 0 and self._pending[self._cur] is not None:
+            self._pending[self._cur].result()      # the count still reading this buffer
+            self._pending[self._cur] = None
+        n, o = chunk.numel(), self._fill
+        keys = buf[o:o + n]
+        if chunk.dtype == torch.float32:
+            torch.abs(chunk, out=keys.view(torch.float32))
+            keys.sub_(1).bitwise_right_shift_(23)
+        elif chunk.dtype == torch.bfloat16:        # bf16 is the top half of fp32: work on 2 bytes
+            s16 = self._scratch(n)
+            torch.bitwise_and(chunk.view(torch.int16), 0x7FFF, out=s16)
+            s16.sub_(1).bitwise_right_shift_(7)
+            keys.copy_(s16)
+        else:                                      # fp16, fp8, fp64: convert to fp32 first
+            keys.view(torch.float32).copy_(chunk)  # exact for fp16/fp8; fp64 is rounded
+            keys.bitwise_and_(0x7FFFFFFF).sub_(1).bitwise_right_shift_(23)
+        keys.add_(offset)
+        self._fill += n
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        if self._scratch16 is None or self._scratch16.numel() < n:
+            self._scratch16 = torch.empty(self.capacity, dtype=torch.int16, device=self.device)
+        return self._scratch16[:n]
+
+    def submit(self) -> None:
+        """Count the buffered keys into ``target`` (asynchronously on CPU)."""
+        if self._fill == 0:
+            return
+        if self.target is None:
+            raise RuntimeError("Binner.submit: no target counts tensor set")
+        keys, target = self._bufs[self._cur][:self._fill], self.target
+        if self._pool is not None:
+            self._pending[self._cur] = self._pool.submit(_count_cpu, keys, target)
+            self._cur = (self._cur + 1) % len(self._bufs)
+        else:
+            _count(keys, target)
+        self._fill = 0
+
+    def wait(self) -> None:
+        """Block until every submitted count has landed in its target."""
+        for i, fut in enumerate(self._pending):
+            if fut is not None:
+                fut.result()
+                self._pending[i] = None
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _count_cpu(keys: torch.Tensor, target: torch.Tensor) -> None:
+    target.add_(torch.bincount(keys, minlength=target.numel()))
+
+
+def _count_index_add(keys: torch.Tensor, target: torch.Tensor) -> None:
+    # no bincount on CUDA: it reads the max key back to the host to size its output (a sync)
+    target.index_add_(0, keys, torch.ones((), dtype=target.dtype, device=keys.device).expand(keys.numel()))
+
+
+def _count(keys: torch.Tensor, target: torch.Tensor) -> None:
+    (_count_cpu if keys.device.type == "cpu" else _count_index_add)(keys, target)
+
+
+def histograms(tensors, device=None) -> torch.Tensor:
+    """Histogram each tensor; returns an int64 tensor (len(tensors), NBINS) on their device."""
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point()):
+            raise TypeError(f"tensors[{i}]: expected a floating-point tensor, got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+    device = torch.device(device) if device is not None else (tensors[0].device if tensors else "cpu")
+    counts = torch.zeros(len(tensors), NBINS, dtype=torch.int64, device=device)
+    total = sum(t.numel() for t in tensors)
+    binner = Binner(device, capacity=min(max(total, 1), 1 << 24), background=False)
+    binner.target = counts.view(-1)
+    for i, t in enumerate(tensors):
+        binner.add(t.to(device), i)
+    binner.submit()
+    return counts
+
+
+def histogram(x: torch.Tensor) -> torch.Tensor:
+    """Histogram of ``|x|`` by binade: an int64 tensor of NBINS counts on ``x``'s device."""
+    return histograms([x])[0]
+
+
+# ---------------------------------------------------------------------------- casting predictions
+@dataclass
+class Fate:
+    """What a cast to ``format`` at loss scale ``scale`` does to the counted values.
+
+    Each field has the shape of the counts minus their last axis. ``zero`` and ``nan`` were
+    already zero / nan before the cast; ``flushed`` are non-zero values that become 0;
+    ``overflow`` become inf (or saturate to max, for e4m3fn).
+    """
+
+    zero: np.ndarray
+    flushed: np.ndarray
+    subnormal: np.ndarray
+    normal: np.ndarray
+    overflow: np.ndarray
+    nan: np.ndarray
+
+    @property
+    def nonzero(self):
+        """Values that were non-zero and not nan before the cast."""
+        return self.flushed + self.subnormal + self.normal + self.overflow
+
+    def fraction(self, field: str):
+        """``field`` as a fraction of the non-zero values (0 where there are none)."""
+        num = np.asarray(getattr(self, field), dtype=float)
+        den = np.asarray(self.nonzero, dtype=float)
+        return np.divide(num, den, out=np.zeros_like(num), where=den > 0)
+
+
+def _scale_log2(scale=None, log2_scale=None) -> int:
+    if log2_scale is None:
+        if scale is None:
+            scale = 1.0
+        if not isinstance(scale, (int, float, np.floating, np.integer)) or not scale > 0 or math.isinf(scale):
+            raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+        m, e = math.frexp(float(scale))
+        if m != 0.5:
+            raise ValueError(f"scale: binade histograms predict casts exactly only for powers of two; "
+                             f"got {scale!r} (nearest: 2**{round(math.log2(scale))})")
+        return e - 1
+    if int(log2_scale) != log2_scale:
+        raise ValueError(f"log2_scale: expected an integer, got {log2_scale!r}")
+    return int(log2_scale)
+
+
+def _category_of_binades(fmt: Format, s: int) -> np.ndarray:
+    """For each column 0..NBINS-1: 0 zero, 1 flushed, 2 subnormal, 3 normal, 4 overflow, 5 nan."""
+    k = np.arange(NBINS) - _K_OFFSET + s          # binade exponent after scaling, per column
+    cat = np.select([k <= fmt.log2_min_subnormal - 2, k <= fmt.emin - 1, k <= fmt.emax],
+                    [1, 2, 3], default=4)
+    # "below" holds (0, 2**-126]: judged by its upper edge (exact unless s > ~100)
+    below_top = -126 + s
+    cat[BELOW] = 1 if below_top <= fmt.log2_min_subnormal - 1 else (2 if below_top <= fmt.emin else 3)
+    cat[ZERO], cat[ABOVE], cat[NAN] = 0, 4, 5
+    return cat
+
+
+def fate(counts, format, scale=None, *, log2_scale=None) -> Fate:
+    """Predict the fate of histogrammed values when multiplied by ``scale`` and cast to ``format``.
+
+    Parameters
+    ----------
+    counts : array (..., NBINS) of bin counts (numpy or torch).
+    format : a :class:`~ampviz.formats.Format`, its name, or a torch dtype.
+    scale : a power of two (the loss scale); or give ``log2_scale`` as an integer.
+
+    Returns
+    -------
+    Fate with arrays of counts of shape ``counts.shape[:-1]``.
+
+    Exactness: for a power-of-two scale, ``zero``, ``flushed``, ``nan`` and the boundary between
+    flushed and subnormal are exact (ties at min_subnormal/2 included). Two edge sets are
+    approximate, because a binade is not split: (1) |x*S| in [min_normal - min_subnormal/2,
+    min_normal] is counted subnormal but rounds up to min_normal (fp16: [2**-14 - 2**-25, 2**-14]);
+    (2) |x*S| in [overflow_threshold, 2**(emax+1)] is counted normal but overflows (fp16:
+    [65520, 65536]; e4m3fn: (464, 512], which saturates to 448). Values below 2**-126 are judged
+    by 2**-126, values above 2**127 always count as overflow.
+    """
+    fmt = get_format(format)
+    s = _scale_log2(scale, log2_scale)
+    c = _as_counts(counts)
+    cat = _category_of_binades(fmt, s)
+    parts = [c[..., cat == i].sum(axis=-1) for i in range(6)]
+    return Fate(*parts)
+
+
+def fate_table(counts, format, log2_scales) -> dict[str, np.ndarray]:
+    """:func:`fate` for many integer log2 scales at once: arrays of shape (len(log2_scales), ...)."""
+    fmt = get_format(format)
+    c = _as_counts(counts)
+    scales = [_scale_log2(log2_scale=s) for s in log2_scales]
+    out = {f: [] for f in ("zero", "flushed", "subnormal", "normal", "overflow", "nan")}
+    for s in scales:
+        f = fate(c, fmt, log2_scale=s)
+        for name in out:
+            out[name].append(getattr(f, name))
+    return {name: np.stack(v) for name, v in out.items()}
+
+
+def max_magnitude(counts) -> np.ndarray:
+    """Upper bound of the largest |x| counted: the top edge of the highest non-empty column.
+
+    inf when anything is above 2**127, inf or nan; 0 when everything is zero.
+    """
+    c = _as_counts(counts)
+    nonempty = c > 0
+    nonfinite = nonempty[..., ABOVE] | nonempty[..., NAN]
+    idx = np.where(nonempty[..., :ABOVE], np.arange(ABOVE), -1).max(axis=-1)
+    top = np.where(idx >= 0, upper_edges()[np.maximum(idx, 0)], 0.0)
+    return np.where(nonfinite, np.inf, top)
+
+
+def shift(counts, log2_scale) -> np.ndarray:
+    """Counts of the values multiplied by ``2**log2_scale`` (binade columns move; specials stay).
+
+    Values pushed below 2**-126 join "below", above 2**127 join "above". ``log2_scale`` may be an
+    array broadcastable against ``counts.shape[:-1]`` (one shift per row, e.g. per step).
+    """
+    c = _as_counts(counts)
+    s = np.broadcast_to(np.asarray(log2_scale), c.shape[:-1]).reshape(-1)
+    if not np.all(np.mod(s, 1) == 0):
+        raise ValueError("log2_scale: expected integers (only power-of-two scales shift exactly)")
+    rows = c.reshape(-1, NBINS)
+    out = np.empty_like(rows)
+    for v in np.unique(s):
+        mask = s == v
+        out[mask] = _shift_rows(rows[mask], int(v))
+    return out.reshape(c.shape)
+
+
+def _shift_rows(c: np.ndarray, s: int) -> np.ndarray:
+    out = np.zeros_like(c)
+    special = [ZERO, BELOW, ABOVE, NAN]
+    out[:, special] = c[:, special]
+    src = c[:, 2:ABOVE]                     # the 253 binade columns
+    n = src.shape[1]
+    keep = max(n - abs(s), 0)
+    if s >= 0:
+        out[:, 2 + s:2 + s + keep] += src[:, :keep]
+        out[:, ABOVE] += src[:, keep:].sum(axis=1)
+    else:
+        out[:, 2:2 + keep] += src[:, n - keep:]
+        out[:, BELOW] += src[:, :n - keep].sum(axis=1)
+    return out
+
+
+def _as_counts(counts) -> np.ndarray:
+    if isinstance(counts, torch.Tensor):
+        counts = counts.detach().cpu().numpy()   # note: a device->host copy (one per call)
+    c = np.asarray(counts)
+    if c.shape[-1:] != (NBINS,):
+        raise ValueError(f"counts: last axis must have {NBINS} bins, got shape {c.shape}")
+    return c

@@ -1,0 +1,340 @@
+"""The recorded data of a training run, saved as one ``.npz`` per rank (no pickle).
+
+A :class:`Run` holds, for each rank ``r``::
+
+    steps        (N,)               optimizer-step index of every recorded step
+    loss         (R, N)             loss passed to ``Recorder.step`` (nan if none)
+    loss_scale   (R, N)             scale the step's backward used (1.0 without a GradScaler)
+    next_scale   (R, N)             scale after ``scaler.update()``
+    skipped      (R, N)             the optimizer step was skipped (inf/nan found)
+    hist_steps   (H,)               steps that have histograms (every ``every``-th step)
+    counts       (R, H, T, NBINS)   gradient-magnitude histograms, see ``ampviz.histogram``
+
+plus tensor names / kinds / dtypes and JSON metadata. Weight gradients are stored unscaled
+(as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
+multiplied by the loss scale. :meth:`Run.counts_in` gives either view of both::
+
+    run = ampviz.Run.load("runs/demo")          # a file, or a directory of rank files
+    run.counts_in("unscaled")                   # (R, H, T, NBINS)
+    run.to_pandas()                             # tidy: rank, step, tensor, kind, bin, count
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+import zipfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from . import histogram as H
+from ._warnings import AmpvizWarning
+
+__all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS"]
+
+SCHEMA_VERSION = 1
+MAGIC = "ampviz-run"
+DOMAINS = ("unscaled", "scaled", "recorded")
+_ARRAYS = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts")
+
+
+class RunFileError(ValueError):
+    """A run file is missing, corrupt, truncated, foreign or from a newer ampviz."""
+
+
+@dataclass
+class Run:
+    """Recorded steps, loss scales and gradient histograms of one run (all ranks)."""
+
+    steps: np.ndarray
+    loss: np.ndarray
+    loss_scale: np.ndarray
+    next_scale: np.ndarray
+    skipped: np.ndarray
+    hist_steps: np.ndarray
+    counts: np.ndarray
+    tensor_names: list
+    tensor_kinds: list
+    tensor_dtypes: list
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._validate("Run")
+
+    # ------------------------------------------------------------------ shape facts
+    @property
+    def ranks(self) -> list:
+        return list(self.meta.get("ranks", range(self.counts.shape[0])))
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.steps.size)
+
+    @property
+    def grown(self) -> np.ndarray:
+        """(R, N) bool: the scale grew after this step."""
+        return self.next_scale > self.loss_scale
+
+    def tensor_index(self, tensor) -> int:
+        """Index of a tensor given its name or index."""
+        if isinstance(tensor, (int, np.integer)):
+            if not -len(self.tensor_names) <= tensor < len(self.tensor_names):
+                raise IndexError(f"tensor: index {tensor} out of range for {len(self.tensor_names)} tensors")
+            return int(tensor) % len(self.tensor_names)
+        try:
+            return self.tensor_names.index(tensor)
+        except ValueError:
+            raise KeyError(f"tensor: no tensor named {tensor!r}; recorded: {', '.join(self.tensor_names[:8])}"
+                           + (" ..." if len(self.tensor_names) > 8 else "")) from None
+
+    def rank_index(self, rank) -> int:
+        if rank not in self.ranks:
+            raise KeyError(f"rank: {rank!r} not in this run; ranks: {self.ranks}")
+        return self.ranks.index(rank)
+
+    def hist_index(self, step) -> int:
+        """Row of ``counts`` holding ``step`` (which must have a histogram)."""
+        idx = np.searchsorted(self.hist_steps, step)
+        if idx >= self.hist_steps.size or self.hist_steps[idx] != step:
+            raise KeyError(f"step: {step} has no histogram (recorded every {self.meta.get('every', 1)} "
+                           f"steps; first {self.hist_steps[:3].tolist()}, last {self.hist_steps[-1:].tolist()})")
+        return int(idx)
+
+    # ------------------------------------------------------------------ domains
+    def scale_log2_at_hist(self) -> np.ndarray:
+        """(R, H) log2 of the loss scale used at each histogram step."""
+        pos = np.searchsorted(self.steps, self.hist_steps)
+        return np.log2(self.loss_scale[:, pos])
+
+    def counts_in(self, domain: str = "unscaled") -> np.ndarray:
+        """Counts with every tensor in one domain: "unscaled", "scaled" (x loss scale), "recorded".
+
+        Shifting by the loss scale is exact for power-of-two scales (GradScaler's defaults keep it
+        one); other scales are rounded to the nearest power of two, with a warning.
+        """
+        if domain not in DOMAINS:
+            raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
+        if domain == "recorded":
+            return self.counts
+        stored = [self.meta.get("domains", {}).get(k, "unscaled") for k in self.tensor_kinds]
+        log2s = self.scale_log2_at_hist()                                        # (R, H)
+        if not np.all(np.mod(log2s, 1) == 0):
+            warnings.warn("loss scales that are not powers of two: shifting by the nearest power of two",
+                          AmpvizWarning, stacklevel=2)
+        log2s = np.rint(log2s).astype(np.int64)
+        out = self.counts.copy()
+        for t, have in enumerate(stored):
+            if have == domain:
+                continue
+            sign = -1 if domain == "unscaled" else 1
+            out[:, :, t] = H.shift(self.counts[:, :, t], sign * log2s)
+        return out
+
+    def histogram(self, step, tensor, rank=None, domain: str = "unscaled") -> np.ndarray:
+        """(NBINS,) counts of one tensor at one step (rank defaults to the first)."""
+        r = 0 if rank is None else self.rank_index(rank)
+        h, t = self.hist_index(step), self.tensor_index(tensor)
+        one = self.select(rank=self.ranks[r])
+        return one.counts_in(domain)[0, h, t] if domain != "recorded" else self.counts[r, h, t]
+
+    def step_max_magnitude(self, domain: str = "unscaled") -> np.ndarray:
+        """(R, H) upper bound of the largest gradient magnitude of each histogram step."""
+        return H.max_magnitude(self.counts_in(domain).sum(axis=2))
+
+    def select(self, rank=None, tensors=None) -> Run:
+        """A Run restricted to one rank and/or some tensors (names or indices)."""
+        r = slice(None) if rank is None else [self.rank_index(rank)]
+        t = list(range(len(self.tensor_names))) if tensors is None else [self.tensor_index(x) for x in tensors]
+        meta = dict(self.meta)
+        if rank is not None:
+            meta["ranks"] = [rank]
+        return replace(self, loss=self.loss[r], loss_scale=self.loss_scale[r], next_scale=self.next_scale[r],
+                       skipped=self.skipped[r], counts=self.counts[r][:, :, t],
+                       tensor_names=[self.tensor_names[i] for i in t], tensor_kinds=[self.tensor_kinds[i] for i in t],
+                       tensor_dtypes=[self.tensor_dtypes[i] for i in t], meta=meta)
+
+    # ------------------------------------------------------------------ summaries
+    def summary(self, format="fp16") -> dict:
+        """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``)."""
+        fate = H.fate(self.counts_in("scaled"), format, 1.0)
+        flushed, overflow = fate.fraction("flushed"), fate.fraction("overflow")     # (R, H, T)
+        worst = lambda a: (float(a.max()), self.tensor_names[int(np.unravel_index(a.argmax(), a.shape)[2])]) \
+            if a.size else (0.0, None)
+        wu, wo = worst(flushed), worst(overflow)
+        return {"steps": self.n_steps, "ranks": self.ranks, "histogram_steps": int(self.hist_steps.size),
+                "skipped": int(self.skipped[0].sum()) if self.skipped.size else 0,
+                "scale_min": float(np.min(self.loss_scale)) if self.loss_scale.size else None,
+                "scale_max": float(np.max(self.loss_scale)) if self.loss_scale.size else None,
+                "tensors": len(self.tensor_names),
+                "worst_flushed_fraction": wu[0], "worst_flushed_tensor": wu[1],
+                "worst_overflow_fraction": wo[0], "worst_overflow_tensor": wo[1],
+                "format": str(format), "device": self.meta.get("device"), "scaler": self.meta.get("scaler")}
+
+    def to_pandas(self, domain: str = "unscaled"):
+        """Tidy histogram table, one row per non-empty bin: rank, step, tensor, kind, bin, lo, hi, count."""
+        import pandas as pd   # lazily: pandas is optional
+        c = self.counts_in(domain)
+        r, h, t, b = np.nonzero(c)
+        lo, hi, labels = H.lower_edges(), H.upper_edges(), np.array(H.bin_labels())
+        return pd.DataFrame({"rank": np.asarray(self.ranks)[r], "step": self.hist_steps[h],
+                             "tensor": np.asarray(self.tensor_names, dtype=object)[t],
+                             "kind": np.asarray(self.tensor_kinds, dtype=object)[t], "bin": labels[b],
+                             "lo": lo[b], "hi": hi[b], "count": c[r, h, t, b]})
+
+    def scalars_to_pandas(self):
+        """Tidy per-step table: rank, step, loss, loss_scale, next_scale, skipped, grown."""
+        import pandas as pd
+        R, N = self.loss.shape
+        return pd.DataFrame({"rank": np.repeat(self.ranks, N), "step": np.tile(self.steps, R),
+                             "loss": self.loss.ravel(), "loss_scale": self.loss_scale.ravel(),
+                             "next_scale": self.next_scale.ravel(), "skipped": self.skipped.ravel(),
+                             "grown": self.grown.ravel()})
+
+    # ------------------------------------------------------------------ files
+    def save(self, path) -> list[Path]:
+        """Write one ``.npz`` per rank, atomically. One rank: ``path`` is the file (".npz" added);
+        several: ``path`` is a directory that receives ``rank{r}.npz``. Returns the paths written."""
+        path = Path(path)
+        if len(self.ranks) == 1:
+            target = path if path.suffix == ".npz" else path.with_suffix(".npz")
+            _write_npz(target, self, 0)
+            return [target]
+        path.mkdir(parents=True, exist_ok=True)
+        out = []
+        for i, r in enumerate(self.ranks):
+            out.append(path / f"rank{r}.npz")
+            _write_npz(out[-1], self, i)
+        return out
+
+    @classmethod
+    def load(cls, path) -> Run:
+        """Load a run file, or a directory of per-rank run files merged along a rank axis."""
+        path = Path(path)
+        if path.is_dir():
+            files = sorted(path.glob("*.npz"))
+            if not files:
+                raise RunFileError(f"{path}: directory holds no .npz run files")
+            return cls.merge([_read_npz(f) for f in files])
+        if not path.exists():
+            raise RunFileError(f"{path}: no such file or directory")
+        return _read_npz(path)
+
+    @classmethod
+    def merge(cls, runs: list) -> Run:
+        """Merge single-rank runs (same tensors) into one run with a rank axis, ordered by rank."""
+        runs = sorted(runs, key=lambda r: r.ranks[0])
+        first = runs[0]
+        ranks = [r.ranks[0] for r in runs]
+        if len(set(ranks)) != len(ranks):
+            raise RunFileError(f"merge: duplicate ranks {ranks}")
+        for r in runs[1:]:
+            if r.tensor_names != first.tensor_names:
+                raise RunFileError(f"merge: rank {r.ranks[0]} recorded other tensors than rank {ranks[0]}")
+        n = min(r.n_steps for r in runs)
+        h = min(r.hist_steps.size for r in runs)
+        if any(r.n_steps != n or r.hist_steps.size != h for r in runs):
+            warnings.warn(f"ranks recorded different numbers of steps; keeping the first {n} "
+                          f"(a rank may have stopped early)", AmpvizWarning, stacklevel=2)
+        world = first.meta.get("world_size", len(runs))
+        if len(runs) < world:
+            warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=2)
+        cat = lambda name, k: np.concatenate([getattr(r, name)[:, :k] for r in runs])
+        meta = dict(first.meta, ranks=ranks)
+        return cls(first.steps[:n], cat("loss", n), cat("loss_scale", n), cat("next_scale", n),
+                   cat("skipped", n), first.hist_steps[:h], cat("counts", h), first.tensor_names,
+                   first.tensor_kinds, first.tensor_dtypes, meta)
+
+    # ------------------------------------------------------------------ checks
+    def _validate(self, where: str) -> None:
+        R, N = np.shape(self.loss) if np.ndim(self.loss) == 2 else (None, None)
+        problems = []
+        if R is None:
+            problems.append(f"loss has shape {np.shape(self.loss)}, expected (ranks, steps)")
+        else:
+            for name in ("loss_scale", "next_scale", "skipped"):
+                if np.shape(getattr(self, name)) != (R, N):
+                    problems.append(f"{name} has shape {np.shape(getattr(self, name))}, expected {(R, N)}")
+            if np.shape(self.steps) != (N,):
+                problems.append(f"steps has shape {np.shape(self.steps)}, expected {(N,)}")
+            T = len(self.tensor_names)
+            exp = (R, np.size(self.hist_steps), T, H.NBINS)
+            if np.shape(self.counts) != exp:
+                problems.append(f"counts has shape {np.shape(self.counts)}, expected {exp}")
+            if not (len(self.tensor_kinds) == len(self.tensor_dtypes) == T):
+                problems.append("tensor_names, tensor_kinds and tensor_dtypes differ in length")
+        if problems:
+            raise RunFileError(f"{where}: corrupt run: " + "; ".join(problems))
+
+
+def _write_npz(target: Path, run: Run, i: int) -> None:
+    meta = dict(run.meta, magic=MAGIC, schema=SCHEMA_VERSION, rank=run.ranks[i],
+                tensor_names=run.tensor_names, tensor_kinds=run.tensor_kinds, tensor_dtypes=run.tensor_dtypes)
+    meta.pop("ranks", None)
+    arrays = {name: getattr(run, name) for name in _ARRAYS}
+    for name in ("loss", "loss_scale", "next_scale", "skipped", "counts"):
+        arrays[name] = arrays[name][i]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, meta=np.array(json.dumps(meta, default=_json_default)), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)        # atomic: readers see the old file or the new one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def _read_npz(path: Path) -> Run:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "meta" not in z.files:
+                raise RunFileError(f"{path}: not an ampviz run (an .npz without ampviz metadata)")
+            raw = z["meta"]
+            if not isinstance(raw, np.ndarray) or raw.dtype.kind != "U" or raw.ndim != 0:
+                raise RunFileError(f"{path}: not an ampviz run (its 'meta' entry is not a JSON string)")
+            meta = json.loads(str(raw[()]))
+            if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
+                raise RunFileError(f"{path}: not an ampviz run (metadata lacks the ampviz marker)")
+            if int(meta.get("schema", math.inf)) > SCHEMA_VERSION:
+                raise RunFileError(f"{path}: written by a newer ampviz (schema {meta.get('schema')} > "
+                                   f"{SCHEMA_VERSION}); upgrade ampviz to read it")
+            missing = [a for a in _ARRAYS if a not in z.files]
+            if missing:
+                raise RunFileError(f"{path}: corrupt ampviz run: missing arrays {missing}")
+            a = {name: z[name] for name in _ARRAYS}
+    except RunFileError:
+        raise
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: no such file") from None
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, TypeError) as e:
+        raise RunFileError(f"{path}: not a readable ampviz run file (corrupt or truncated: {e})") from None
+    names, kinds, dtypes = (meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes"))
+    rank = meta.pop("rank", 0)
+    for k in ("magic", "schema"):
+        meta.pop(k)
+    meta["ranks"] = [rank]
+    per_rank = {n: a[n][None] for n in ("loss", "loss_scale", "next_scale", "skipped", "counts")}
+    try:
+        return Run(a["steps"], per_rank["loss"], per_rank["loss_scale"], per_rank["next_scale"],
+                   per_rank["skipped"], a["hist_steps"], per_rank["counts"], list(names), list(kinds),
+                   list(dtypes), meta)
+    except RunFileError as e:
+        raise RunFileError(f"{path}: {e}") from None

@@ -1,0 +1,154 @@
+"""Run files: round trips, atomic writes, clear errors for bad files, rank merging, domains."""
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from ampviz import histogram as H
+from ampviz._warnings import AmpvizWarning
+from ampviz.run import Run, RunFileError
+
+
+def make_run(rank=0, steps=6, tensors=("w", "act"), scale_log2=(16, 16, 15, 15, 15, 16), world=1):
+    rng = np.random.default_rng(rank)
+    T = len(tensors)
+    counts = np.zeros((1, steps, T, H.NBINS), dtype=np.int64)
+    for h in range(steps):
+        for t in range(T):
+            vals = torch.from_numpy(np.exp2(rng.uniform(-30, -5, 100))).float()
+            counts[0, h, t] = H.histogram(vals).numpy()
+    scale = np.exp2(np.asarray(scale_log2, dtype=float))[None]
+    nxt = np.concatenate([scale[:, 1:], scale[:, -1:]], axis=1)
+    return Run(np.arange(steps), rng.random((1, steps)), scale, nxt, nxt < scale, np.arange(steps), counts,
+               list(tensors), ["weight", "activation"][:T], ["torch.float32", "torch.float16"][:T],
+               {"world_size": world, "ranks": [rank], "every": 1,
+                "domains": {"weight": "unscaled", "activation": "scaled"}})
+
+
+def test_round_trip(tmp_path):
+    run = make_run()
+    [path] = run.save(tmp_path / "run")
+    assert path.name == "run.npz" and [p.name for p in tmp_path.iterdir()] == ["run.npz"]   # no temp left
+    back = Run.load(path)
+    for name in ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(run, name))
+    assert back.tensor_names == run.tensor_names and back.meta["domains"] == run.meta["domains"]
+    with np.load(path, allow_pickle=False) as z:       # readable without pickle
+        assert json.loads(str(z["meta"][()]))["schema"] == 1
+
+
+def test_skipped_and_grown_from_scales():
+    run = make_run()
+    assert run.skipped[0].tolist() == [False, True, False, False, False, False]
+    assert run.grown[0].tolist() == [False, False, False, False, True, False]
+
+
+def test_domains_shift_by_the_loss_scale():
+    run = make_run()
+    sc = run.counts_in("scaled")
+    un = run.counts_in("unscaled")
+    # weights are stored unscaled, activations scaled: the other view shifts by log2(scale) per step
+    np.testing.assert_array_equal(un[:, :, 0], run.counts[:, :, 0])
+    np.testing.assert_array_equal(sc[:, :, 1], run.counts[:, :, 1])
+    np.testing.assert_array_equal(sc[0, 2, 0], H.shift(run.counts[0, 2, 0], 15))
+    np.testing.assert_array_equal(un[0, 0, 1], H.shift(run.counts[0, 0, 1], -16))
+    np.testing.assert_array_equal(run.histogram(3, "act", domain="unscaled"), un[0, 3, 1])
+    with pytest.raises(ValueError, match="domain: expected one of"):
+        run.counts_in("raw")
+
+
+def test_directory_of_ranks_merges_with_a_rank_axis(tmp_path):
+    for r in (1, 0):
+        make_run(rank=r, world=2).save(tmp_path / f"rank{r}.npz")
+    run = Run.load(tmp_path)
+    assert run.ranks == [0, 1] and run.counts.shape == (2, 6, 2, H.NBINS)
+    assert not np.array_equal(run.loss[0], run.loss[1])
+    one = run.select(rank=1)
+    assert one.ranks == [1] and np.array_equal(one.loss[0], run.loss[1])
+    paths = run.save(tmp_path / "copy")
+    assert sorted(p.name for p in paths) == ["rank0.npz", "rank1.npz"]
+
+
+def test_missing_rank_and_short_rank_warn(tmp_path):
+    make_run(rank=0, world=2).save(tmp_path / "rank0.npz")
+    with pytest.warns(AmpvizWarning, match="1 of 2 ranks"):
+        Run.load(tmp_path)
+    short = make_run(rank=1, world=2, steps=4, scale_log2=(16, 16, 15, 15))
+    short.save(tmp_path / "rank1.npz")
+    with pytest.warns(AmpvizWarning, match="keeping the first 4"):
+        run = Run.load(tmp_path)
+    assert run.n_steps == 4
+
+
+def test_tidy_views():
+    df = make_run().to_pandas()
+    assert set(df.columns) == {"rank", "step", "tensor", "kind", "bin", "lo", "hi", "count"}
+    assert df["count"].sum() == 6 * 2 * 100 and (df["count"] > 0).all()
+    s = make_run().scalars_to_pandas()
+    assert len(s) == 6 and s["skipped"].sum() == 1 and s["grown"].sum() == 1
+
+
+def test_bad_files_give_clear_errors(tmp_path):
+    good = make_run().save(tmp_path / "good.npz")[0]
+    data = good.read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RunFileError, match="trunc.npz: not a readable ampviz run file"):
+        Run.load(tmp_path / "trunc.npz")
+    (tmp_path / "junk.npz").write_bytes(b"hello, not a zip")
+    with pytest.raises(RunFileError, match="junk.npz: not a readable ampviz run file"):
+        Run.load(tmp_path / "junk.npz")
+    np.savez(tmp_path / "foreign.npz", x=np.arange(3))
+    with pytest.raises(RunFileError, match="foreign.npz: not an ampviz run"):
+        Run.load(tmp_path / "foreign.npz")
+    with pytest.raises(RunFileError, match="nothere.npz: no such file"):
+        Run.load(tmp_path / "nothere.npz")
+    # a newer schema
+    with np.load(good) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays["meta"][()]))
+    meta["schema"] = 99
+    arrays["meta"] = np.array(json.dumps(meta))
+    np.savez(tmp_path / "newer.npz", **arrays)
+    with pytest.raises(RunFileError, match="newer.npz: written by a newer ampviz \\(schema 99 > 1\\)"):
+        Run.load(tmp_path / "newer.npz")
+    # an object array would need pickle: refused
+    arrays["meta"] = np.array([{"a": 1}], dtype=object)
+    np.savez(tmp_path / "pickled.npz", **arrays)
+    with pytest.raises(RunFileError, match="pickled.npz"):
+        Run.load(tmp_path / "pickled.npz")
+    # inconsistent shapes
+    meta["schema"] = 1
+    arrays["meta"] = np.array(json.dumps(meta))
+    arrays["counts"] = arrays["counts"][:, :1]
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(RunFileError, match="bad.npz: .*corrupt run: counts has shape"):
+        Run.load(tmp_path / "bad.npz")
+    with zipfile.ZipFile(tmp_path / "missing.npz", "w") as z:
+        z.writestr("meta.npy", (tmp_path / "x").name)
+    with pytest.raises(RunFileError, match="missing.npz"):
+        Run.load(tmp_path / "missing.npz")
+
+
+def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
+    path = make_run().save(tmp_path / "r.npz")[0]
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(np, "savez_compressed", boom)
+    with pytest.raises(OSError, match="disk full"):
+        make_run(rank=0, steps=3, scale_log2=(1, 1, 1)).save(path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.npz"]
+
+
+def test_lookup_errors():
+    run = make_run()
+    with pytest.raises(KeyError, match="no tensor named 'nope'"):
+        run.tensor_index("nope")
+    with pytest.raises(KeyError, match="step: 99 has no histogram"):
+        run.hist_index(99)
+    with pytest.raises(KeyError, match="rank: 3 not in this run"):
+        run.select(rank=3)
