@@ -69,6 +69,10 @@ class Recorder:
     scaler : the ``torch.amp.GradScaler`` in use, or None (bf16 / fp32 training).
     weights : record weight gradients: True (all trainable parameters), False, a regex on the
         parameter name, a list of names, or a callable ``(name, param) -> bool``.
+    local_weights : under DDP, also record each rank's *local* weight gradients, before the
+        all-reduce (kind "weight_local", named "<param> [local]", scaled as computed). They are read
+        in the backward pass that all-reduces, i.e. the micro-batch outside ``no_sync()``; use
+        ``no_sync()`` on the others, or each backward is counted.
     activations : record activation gradients: True (every leaf module that has parameters),
         False, a regex on module names, a list of names, or a callable ``(name, module) -> bool``.
     every : record histograms every ``every`` optimizer steps (scalars are kept for every step).
@@ -81,7 +85,7 @@ class Recorder:
         optimizer step; results are identical either way.
     """
 
-    def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True,
+    def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, local_weights=False,
                  every: int = 1, flush_every: int = 32, max_bytes: int = 256 << 20, path=None,
                  enabled: bool = True, background: bool | None = None):
         if not isinstance(model, nn.Module):
@@ -94,7 +98,11 @@ class Recorder:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
         self.enabled = bool(enabled)
-        self.model = getattr(model, "module", model) if _is_ddp(model) else model
+        self._ddp = model if _is_ddp(model) else None
+        if local_weights and self._ddp is None:
+            raise ValueError("local_weights: True needs a DistributedDataParallel model (local and reduced "
+                             "gradients only differ under DDP)")
+        self.model = model.module if self._ddp is not None else model
         self.optimizer, self.every, self.flush_every, self.max_bytes = optimizer, every, flush_every, max_bytes
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.path = Path(path) if path is not None else None
@@ -104,9 +112,13 @@ class Recorder:
         self._modules = _select(self.model.named_modules(), activations, "activations",
                                 default=lambda n, m: n != "" and not list(m.children())
                                 and any(True for _ in m.parameters(recurse=False)))
-        self.tensor_names = [n for n, _ in self._params] + [n for n, _ in self._modules]
-        self.tensor_kinds = ["weight"] * len(self._params) + ["activation"] * len(self._modules)
-        self._dtypes = [str(p.dtype) for _, p in self._params] + [""] * len(self._modules)
+        self._local = bool(local_weights)
+        nl = len(self._params) if self._local else 0
+        self.tensor_names = ([n for n, _ in self._params] + [n for n, _ in self._modules]
+                             + [f"{n} [local]" for n, _ in self._params][:nl])
+        self.tensor_kinds = ["weight"] * len(self._params) + ["activation"] * len(self._modules) + ["weight_local"] * nl
+        self._dtypes = ([str(p.dtype) for _, p in self._params] + [""] * len(self._modules)
+                        + [str(p.dtype) for _, p in self._params][:nl])
         self._handles, self._open, self._closed, self._run = [], False, False, None
 
     # ------------------------------------------------------------------ context manager
@@ -214,6 +226,8 @@ class Recorder:
     def _on_accumulated(self, i, param):
         if self._capturing:
             self._grad_refs[i] = param.grad       # a reference, no copy: read at rec.step() if needed
+            if self._local and self._ddp.require_backward_grad_sync:   # this backward all-reduces
+                self._binner.add(param.grad, len(self._params) + len(self._modules) + i)   # still local
 
     def _on_optimizer_step(self, optimizer, args, kwargs):
         if not self._capturing:
@@ -336,7 +350,7 @@ class Recorder:
         return {"ampviz_version": __version__, "torch_version": torch.__version__, "device": str(self.device),
                 "world_size": self._world, "ranks": [self._rank], "every": self.every,
                 "decimated": self._decimations, "created": self._created,
-                "domains": {"weight": "unscaled", "activation": "scaled"},
+                "domains": {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled"},
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()}}

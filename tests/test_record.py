@@ -120,7 +120,7 @@ def test_fp16_gradscaler_weights_unscaled_activations_scaled():
             opt.zero_grad()
             rec.step(loss)
     run = rec.run
-    assert run.meta["domains"] == {"weight": "unscaled", "activation": "scaled"}
+    assert run.meta["domains"] == {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled"}
     assert run.tensor_dtypes[-1] == "torch.float16" and run.loss_scale[0].tolist() == [1024, 1024, 2048, 2048, 4096]
     for s in range(5):
         np.testing.assert_array_equal(run.counts[0, s, 0], oracle.weights[s][0].numpy())   # after unscale_
@@ -309,3 +309,35 @@ def test_bad_inputs_are_named():
             rec.step(torch.ones(3))
     with pytest.raises(RuntimeError, match="closed"):
         rec.__enter__()
+
+
+def test_ddp_two_ranks_record_rank_world_and_local_vs_reduced(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import _ddp_worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker.run, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    run = ampviz.Run.load(tmp_path)
+    assert run.ranks == [0, 1] and run.meta["world_size"] == 2
+    kinds = np.array(run.tensor_kinds)
+    reduced, local = run.counts[:, :, kinds == "weight"], run.counts[:, :, kinds == "weight_local"]
+    assert reduced.shape == local.shape and local.sum() > 0
+    # after the all-reduce every rank holds the same gradients; before it, ranks differ
+    np.testing.assert_array_equal(reduced[0], reduced[1])
+    assert not np.array_equal(local[0], local[1])
+    np.testing.assert_array_equal(run.skipped[0], run.skipped[1])
+    # every local histogram counted each parameter exactly once per step (no_sync on the other micro-batch)
+    sizes = [torch.Size(s) for s in ([16, 6], [16], [3, 16], [3])]
+    assert (local.sum(axis=-1) == np.array([s.numel() for s in sizes])).all()
+    w0, w1 = (torch.load(tmp_path / f"params{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+def test_local_weights_needs_ddp():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="local_weights: True needs a DistributedDataParallel"):
+        ampviz.Recorder(model, local_weights=True)
