@@ -1,0 +1,135 @@
+"""Step-time overhead of recording gradients, as ratios against no capture in the same process.
+
+    python benchmarks/capture_overhead.py                 # both workloads, 40 rounds
+    python benchmarks/capture_overhead.py --workload mlp --rounds 60
+
+Workloads (CPU, bf16 autocast, AdamW): an MLP of 4 Linear(1024, 1024) at batch 512, and a
+transformer encoder of 4 layers, d_model 256, sequence 128, batch 2. Variants, each with its own
+copy of the model (same initial weights), optimizer and capture object:
+
+    base            no capture
+    read-floor      sum every weight gradient every step (the cost of just reading them)
+    ampviz-weights  ampviz.Recorder(activations=False)
+    ampviz-all      ampviz.Recorder(activations=True)   (weights + every leaf module's output grad)
+    ampviz-every10  ampviz.Recorder(activations=True, every=10)
+    tensorboard     SummaryWriter.add_histogram on every weight gradient every step
+
+Variants run in interleaved rounds (the order rotates each round) so machine noise hits them
+alike; a variant's time is the median over rounds, its ratio that median over base's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampviz
+from ampviz import histogram as H
+from ampviz.models import CharTransformer
+
+VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "tensorboard"]
+
+
+def make_workload(name: str):
+    """(model, batch, loss_fn) with the same initial weights every call."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        layers = []
+        for i in range(4):
+            layers += [nn.Linear(1024, 1024)] + ([nn.ReLU()] if i < 3 else [])
+        model = nn.Sequential(*layers)
+        batch = (torch.randn(512, 1024, generator=g), torch.randint(0, 1024, (512,), generator=g))
+        return model, batch, lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])
+    model = CharTransformer(vocab=2048, d_model=256, heads=4, layers=4, max_len=128)
+    ids = torch.randint(0, 2048, (2, 129), generator=g)
+    batch = (ids[:, :-1], ids[:, 1:])
+    return model, batch, lambda m, b: F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten())
+
+
+class Variant:
+    def __init__(self, name: str, workload: str, logdir: str):
+        self.name = name
+        self.model, self.batch, self.loss_fn = make_workload(workload)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.times: list[float] = []
+        self.rec = self.writer = None
+        self.step_i = 0
+        if name.startswith("ampviz"):
+            self.rec = ampviz.Recorder(self.model, self.opt, activations=name != "ampviz-weights",
+                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30)
+            self.rec.__enter__()
+        elif name == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(f"{logdir}/{workload}")
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = self.loss_fn(self.model, self.batch)
+        loss.backward()
+        if self.name == "read-floor":
+            total = torch.zeros(())
+            for p in self.model.parameters():
+                total += p.grad.sum()
+        elif self.writer is not None:
+            for n, p in self.model.named_parameters():
+                self.writer.add_histogram(n, p.grad, self.step_i)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.rec is not None:
+            self.rec.step(loss)
+        self.times.append(time.perf_counter() - t0)
+        self.step_i += 1
+
+    def close(self) -> None:
+        if self.rec is not None:
+            self.rec.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def bench(workload: str, rounds: int, warmup: int, logdir: str) -> dict:
+    variants = [Variant(v, workload, logdir) for v in VARIANTS]
+    for r in range(rounds + warmup):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for v in order:
+            v.step()
+    med = {v.name: statistics.median(v.times[warmup:]) for v in variants}
+    rec = next(v for v in variants if v.name == "ampviz-all").rec
+    n_tensors = len(rec.tensor_names)
+    for v in variants:
+        v.close()
+    return {"median": med, "tensors": n_tensors, "params": sum(p.numel() for p in variants[0].model.parameters())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["mlp", "tfm", "both"], default="both")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}")
+    with tempfile.TemporaryDirectory() as logdir:
+        for w in (["mlp", "tfm"] if a.workload == "both" else [a.workload]):
+            res = bench(w, a.rounds, a.warmup, logdir)
+            base = res["median"]["base"]
+            print(f"\n{w}: {res['params']:,} parameters; {a.rounds} interleaved rounds after {a.warmup} warm-up")
+            print(f"{'variant':<16}{'median ms':>10}{'ratio':>8}")
+            for name, t in res["median"].items():
+                print(f"{name:<16}{t * 1e3:>10.2f}{t / base:>8.3f}")
+            per_step = res["tensors"] * H.NBINS * 8
+            print(f"ampviz-all keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
+                  f"{per_step:,} bytes per recorded step on the host")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
