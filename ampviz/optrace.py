@@ -1,0 +1,269 @@
+"""Trace every aten op a piece of PyTorch code runs, with the dtypes it ran in (forward and backward).
+
+The tracer is a ``TorchDispatchMode``: it sits below autograd and below autocast in PyTorch's
+dispatcher, so it sees each op *after* autocast has cast its inputs (``linear`` arrives as
+``_to_copy`` casts plus ``t`` and ``addmm``), and it sees the backward ops the autograd engine
+runs. It stores plain records (no plotting here)::
+
+    >>> import torch
+    >>> from ampviz.optrace import OpTracer
+    >>> lin, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    >>> with OpTracer() as tracer:
+    ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...         loss = lin(x).float().sum()
+    ...     loss.backward()
+    >>> tracer.count("addmm", phase="forward", dtype="bfloat16")
+    1
+    >>> lin.weight.grad.dtype                    # the parameter's gradient comes back fp32
+    torch.float32
+
+It also holds the op lists of PyTorch's AMP documentation (``DOCUMENTED_OPS``) and the dtype
+those lists predict for an op (``expected_dtype``), so a lesson can compare them with what ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["OpRecord", "OpTracer", "trace_ops", "trace_training_step", "LOW_PRECISION", "DOCS_URL",
+           "DOCUMENTED_OPS", "documented_list", "expected_dtype"]
+
+LOW_PRECISION = ("float16", "bfloat16")
+PHASES = ("forward", "backward")
+# Ops that only move metadata or autograd bookkeeping; tables can hide them.
+BOOKKEEPING = ("detach", "alias", "lift_fresh")
+# The autograd node being executed (None outside backward); older torch lacks it, and then only
+# OpTracer.phase() labels the backward.
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One aten op as it ran: its name, phase and the dtypes of its floating-point tensors."""
+
+    op: str                         # overload packet name, e.g. "addmm", "_to_copy"
+    overload: str                   # "default", "out", "Tensor", ...
+    phase: str                      # "forward" or "backward"
+    input_dtypes: tuple[str, ...]   # floating-point tensor inputs, e.g. ("bfloat16", "bfloat16")
+    output_dtypes: tuple[str, ...]  # floating-point tensor outputs
+    mutates: bool                   # in-place or out= variant (writes into an existing tensor)
+    is_view: bool                   # returns a view: no arithmetic happens
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the op ran in: its first floating output, else its first floating input."""
+        for group in (self.output_dtypes, self.input_dtypes):
+            if group:
+                return group[0]
+        return None
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype in LOW_PRECISION
+
+    @property
+    def is_cast(self) -> bool:
+        """A dtype conversion (what autocast inserts before an op on its lists)."""
+        return (self.op in ("_to_copy", "to", "_to_copy_out") and bool(self.input_dtypes)
+                and bool(self.output_dtypes) and self.input_dtypes[0] != self.output_dtypes[0])
+
+
+def _float_dtypes(tree) -> tuple[str, ...]:
+    leaves, _ = tree_flatten(tree)
+    return tuple(str(t.dtype).removeprefix("torch.") for t in leaves
+                 if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+class OpTracer(TorchDispatchMode):
+    """Context manager recording every aten op run inside it (see the module docstring).
+
+    The phase of an op is "backward" when the autograd engine is executing a node while it runs
+    (``torch._C._current_autograd_node``), otherwise the phase set with :meth:`phase` (default
+    "forward"). Use one tracer around both the forward and ``loss.backward()``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[OpRecord] = []
+        self._phase = "forward"
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label the ops run inside this block ``name`` ("forward" or "backward")."""
+        if name not in PHASES:
+            raise ValueError(f"phase: expected one of {PHASES}, got {name!r}")
+        previous, self._phase = self._phase, name
+        try:
+            yield self
+        finally:
+            self._phase = previous
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        in_backward = _current_autograd_node() is not None
+        schema = func._schema
+        self.records.append(OpRecord(
+            op=func.overloadpacket.__name__, overload=func._overloadname,
+            phase="backward" if in_backward else self._phase,
+            input_dtypes=_float_dtypes((args, kwargs)), output_dtypes=_float_dtypes(out),
+            mutates=schema.is_mutable, is_view=bool(getattr(func, "is_view", False))))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def select(self, phase: str | None = None, hide: tuple[str, ...] = (), hide_views: bool = False):
+        """Records of one phase (or all), without the ops named in ``hide`` (and views)."""
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase: expected one of {PHASES} or None, got {phase!r}")
+        return [r for r in self.records if (phase is None or r.phase == phase) and r.op not in hide
+                and not (hide_views and r.is_view)]
+
+    def count(self, op: str, phase: str | None = None, dtype: str | None = None) -> int:
+        """How many times ``op`` ran (in ``phase``, in ``dtype``, when given)."""
+        return sum(1 for r in self.select(phase) if r.op == op and (dtype is None or r.dtype == dtype))
+
+    def table(self, phase: str | None = None, hide: tuple[str, ...] = BOOKKEEPING,
+              hide_views: bool = False) -> list[dict]:
+        """One row per distinct (phase, op, input dtypes, output dtypes), in order of first appearance.
+
+        Returns
+        -------
+        list of dict with keys ``phase``, ``op``, ``inputs``, ``outputs`` (dtype tuples),
+        ``dtype`` (what it ran in), ``low_precision``, ``cast`` and ``count``.
+        """
+        counts = Counter()
+        first: dict[tuple, OpRecord] = {}
+        for r in self.select(phase, hide, hide_views):
+            key = (r.phase, r.op, r.input_dtypes, r.output_dtypes)
+            counts[key] += 1
+            first.setdefault(key, r)
+        return [dict(phase=k[0], op=k[1], inputs=k[2], outputs=k[3], dtype=r.dtype,
+                     low_precision=r.low_precision, cast=r.is_cast, count=counts[k])
+                for k, r in first.items()]
+
+    def dtype_counts(self, phase: str | None = None, hide: tuple[str, ...] = BOOKKEEPING,
+                     hide_views: bool = False) -> dict[str, Counter]:
+        """``{op: Counter({dtype: runs})}`` in order of first appearance (casts count as "cast")."""
+        result: dict[str, Counter] = {}
+        for r in self.select(phase, hide, hide_views):
+            result.setdefault(r.op, Counter())["cast" if r.is_cast else str(r.dtype)] += 1
+        return result
+
+    def low_precision_fraction(self, phase: str | None = None, hide_views: bool = True) -> float:
+        """Fraction of the traced ops (casts and bookkeeping excluded) that ran in 16 bits."""
+        rows = [r for r in self.select(phase, BOOKKEEPING, hide_views) if not r.is_cast and r.dtype]
+        return sum(r.low_precision for r in rows) / len(rows) if rows else 0.0
+
+
+def trace_ops(fn, *args, **kwargs) -> OpTracer:
+    """Run ``fn(*args, **kwargs)`` under a fresh :class:`OpTracer`; the result is ``tracer.result``."""
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    with OpTracer() as tracer:
+        tracer.result = fn(*args, **kwargs)
+    return tracer
+
+
+def trace_training_step(model, inputs, targets, autocast_dtype: torch.dtype | None, loss_fn=None) -> OpTracer:
+    """Trace one forward (under autocast to ``autocast_dtype``; None = off) and its backward.
+
+    The forward and the loss run inside ``torch.autocast(inputs.device.type, ...)``, the backward
+    outside it, as PyTorch recommends. The model's ``.grad`` are reset first and left filled in;
+    no optimizer step is taken. ``tracer.result`` is the loss.
+    """
+    if autocast_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError("autocast_dtype: expected None, torch.float16 or torch.bfloat16, "
+                         f"got {autocast_dtype!r}")
+    loss_fn = loss_fn or torch.nn.functional.cross_entropy
+    model.zero_grad(set_to_none=True)
+    with OpTracer() as tracer:
+        with torch.autocast(inputs.device.type, dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            loss = loss_fn(model(inputs), targets)
+        with tracer.phase("backward"):     # also labels the implicit ones_like(loss) seed
+            loss.backward()
+    tracer.result = loss.detach()
+    return tracer
+
+
+# --- PyTorch's documented autocast op lists --------------------------------------------------
+# Copied from the "Autocast Op Reference" of PyTorch's AMP docs (docs/source/amp.md in
+# pytorch/pytorch, 2.x). "low": ops autocast runs in the low-precision dtype; "fp32": ops it runs
+# in float32; "promote": ops it runs in the widest input dtype. Unlisted ops run in the dtype
+# their inputs already have (ordinary type promotion). CPU float16 uses the bfloat16 lists.
+DOCS_URL = "https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference"
+_CUDA_LOW = """__matmul__ addbmm addmm addmv addr baddbmm bmm multi_dot conv1d conv2d conv3d
+conv_transpose1d conv_transpose2d conv_transpose3d GRUCell linear LSTMCell matmul mm mv prelu RNNCell"""
+_CUDA_FP32 = """__pow__ __rdiv__ __rpow__ __rtruediv__ acos asin binary_cross_entropy_with_logits cosh
+cosine_embedding_loss cdist cosine_similarity cross_entropy cumprod cumsum dist erfinv exp expm1
+group_norm hinge_embedding_loss kl_div l1_loss layer_norm log log_softmax log10 log1p log2
+margin_ranking_loss mse_loss multilabel_margin_loss multi_margin_loss nll_loss norm normalize pdist
+poisson_nll_loss pow prod reciprocal rsqrt sinh smooth_l1_loss soft_margin_loss softmax softmin
+softplus sum renorm tan triplet_margin_loss"""
+_CUDA_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot"
+_CPU_LOW = """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear matmul _convolution
+conv_tbc mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d prelu
+scaled_dot_product_attention _native_multi_head_attention"""
+_CPU_FP32 = """avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d _grid_sampler_2d_cpu_fallback
+grid_sampler_3d polar prod quantile nanquantile stft cdist trace view_as_complex cholesky_inverse
+cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d max_unpool2d max_unpool3d
+adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d
+replication_pad3d mse_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss
+poisson_nll_loss cross_entropy_loss l1_loss huber_loss margin_ranking_loss soft_margin_loss
+triplet_margin_loss multi_margin_loss ctc_loss kl_div multilabel_margin_loss
+binary_cross_entropy_with_logits fft_fft fft_ifft fft_fft2 fft_ifft2 fft_fftn fft_ifftn fft_rfft
+fft_irfft fft_rfft2 fft_irfft2 fft_rfftn fft_irfftn fft_hfft fft_ihfft linalg_cond linalg_matrix_rank
+linalg_solve linalg_cholesky linalg_svdvals linalg_eigvals linalg_eigvalsh linalg_inv
+linalg_householder_product linalg_tensorinv linalg_tensorsolve fake_quantize_per_tensor_affine geqrf
+_lu_with_info qr svd triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d
+multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig linalg_eigh
+linalg_lstsq linalg_inv_ex"""
+_CPU_PROMOTE = "cat stack index_copy"
+DOCUMENTED_OPS: dict[str, dict[str, tuple[str, ...]]] = {
+    "cuda": {"low": tuple(_CUDA_LOW.split()), "fp32": tuple(_CUDA_FP32.split()),
+             "promote": tuple(_CUDA_PROMOTE.split())},
+    "cpu": {"low": tuple(_CPU_LOW.split()), "fp32": tuple(_CPU_FP32.split()),
+            "promote": tuple(_CPU_PROMOTE.split())},
+}
+# The same function under the name each device's list uses (cross_entropy is a Python wrapper
+# of aten's cross_entropy_loss).
+_ALIASES = {"cross_entropy": ("cross_entropy", "cross_entropy_loss")}
+
+
+def documented_list(device_type: str, op: str) -> str | None:
+    """Which documented list of ``device_type`` names ``op``: "low", "fp32", "promote" or None."""
+    if device_type not in DOCUMENTED_OPS:
+        raise ValueError(f"device_type: expected one of {sorted(DOCUMENTED_OPS)}, got {device_type!r}")
+    names = _ALIASES.get(op, (op,))
+    for category, ops in DOCUMENTED_OPS[device_type].items():
+        if any(name in ops for name in names):
+            return category
+    return None
+
+
+def expected_dtype(device_type: str, op: str, input_dtypes, low_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the documented lists predict for ``op`` under autocast to ``low_dtype``.
+
+    "low" ops run in ``low_dtype``, "fp32" ops in float32; listed "promote" ops and unlisted ops
+    run in the promotion of their floating-point ``input_dtypes`` (torch dtypes).
+    """
+    category = documented_list(device_type, op)
+    if category == "low":
+        return low_dtype
+    if category == "fp32":
+        return torch.float32
+    dtypes = [d for d in input_dtypes if d.is_floating_point]
+    if not dtypes:
+        raise ValueError(f"input_dtypes: expected at least one floating dtype, got {input_dtypes!r}")
+    result = dtypes[0]
+    for d in dtypes[1:]:
+        result = torch.promote_types(result, d)
+    return result
