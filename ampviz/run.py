@@ -163,9 +163,7 @@ class Run:
         """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``)."""
         fate = H.fate(self.counts_in("scaled"), format, 1.0)
         flushed, overflow = fate.fraction("flushed"), fate.fraction("overflow")     # (R, H, T)
-        worst = lambda a: (float(a.max()), self.tensor_names[int(np.unravel_index(a.argmax(), a.shape)[2])]) \
-            if a.size else (0.0, None)
-        wu, wo = worst(flushed), worst(overflow)
+        wu, wo = self._worst(flushed), self._worst(overflow)
         return {"steps": self.n_steps, "ranks": self.ranks, "histogram_steps": int(self.hist_steps.size),
                 "skipped": int(self.skipped[0].sum()) if self.skipped.size else 0,
                 "scale_min": float(np.min(self.loss_scale)) if self.loss_scale.size else None,
@@ -175,9 +173,16 @@ class Run:
                 "worst_overflow_fraction": wo[0], "worst_overflow_tensor": wo[1],
                 "format": str(format), "device": self.meta.get("device"), "scaler": self.meta.get("scaler")}
 
+    def _worst(self, fractions: np.ndarray):
+        """(largest fraction, name of its tensor) of an (R, H, T) array."""
+        if not fractions.size:
+            return 0.0, None
+        t = np.unravel_index(fractions.argmax(), fractions.shape)[2]
+        return float(fractions.max()), self.tensor_names[int(t)]
+
     def to_pandas(self, domain: str = "unscaled"):
         """Tidy histogram table, one row per non-empty bin: rank, step, tensor, kind, bin, lo, hi, count."""
-        import pandas as pd   # lazily: pandas is optional
+        import pandas as pd  # lazily: pandas is optional
         c = self.counts_in(domain)
         r, h, t, b = np.nonzero(c)
         lo, hi, labels = H.lower_edges(), H.upper_edges(), np.array(H.bin_labels())
@@ -243,7 +248,8 @@ class Run:
         world = first.meta.get("world_size", len(runs))
         if len(runs) < world:
             warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=2)
-        cat = lambda name, k: np.concatenate([getattr(r, name)[:, :k] for r in runs])
+        def cat(name, k):
+            return np.concatenate([getattr(r, name)[:, :k] for r in runs])
         meta = dict(first.meta, ranks=ranks)
         return cls(first.steps[:n], cat("loss", n), cat("loss_scale", n), cat("next_scale", n),
                    cat("skipped", n), first.hist_steps[:h], cat("counts", h), first.tensor_names,

@@ -24,6 +24,15 @@ def test_histogram_on_cuda_equals_cpu():
         assert torch.equal(cpu, gpu.cpu())
 
 
+class _sync_is_an_error:
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(0)
+        return False
+
+
 def test_recorded_steps_make_no_host_sync():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).cuda()
@@ -32,23 +41,16 @@ def test_recorded_steps_make_no_host_sync():
     x, y = torch.randn(64, 256, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
     rec = ampviz.Recorder(model, opt, scaler=scaler, flush_every=8)
     with rec:
-        for step in range(7):                       # fewer steps than flush_every: no flush inside
+        for _ in range(7):                          # fewer steps than flush_every: no flush inside
             with torch.amp.autocast("cuda", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                scaler.scale(loss).backward()        # activation hooks
-                opt_step_ok = True
-                rec_step_args = loss
-                torch.cuda.set_sync_debug_mode(0)
-                scaler.step(opt)                     # GradScaler itself syncs (found_inf.item()); not ours
-                scaler.update()
-                torch.cuda.set_sync_debug_mode("error")
+            with _sync_is_an_error():
+                scaler.scale(loss).backward()       # activation-gradient hooks fire here
+            scaler.step(opt)                        # GradScaler itself reads found_inf (a sync): not ours
+            scaler.update()
+            with _sync_is_an_error():
                 opt.zero_grad(set_to_none=True)
-                rec.step(rec_step_args)              # scale, loss, counts: device copies only
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            assert opt_step_ok
+                rec.step(loss)                      # loss, scale, counts: device-side copies only
     run = rec.run
     assert run.n_steps == 7 and np.isfinite(run.loss).all()
     assert run.counts[0, :, 0].sum(axis=-1).tolist() == [256 * 512] * 7
@@ -61,12 +63,9 @@ def test_weight_hook_makes_no_host_sync():
     rec = ampviz.Recorder(model, opt, activations=False)
     with rec:
         model(torch.randn(8, 1024, device="cuda")).sum().backward()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _sync_is_an_error():
             rec._on_optimizer_step(opt, (), {})
             rec._binner.submit()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         opt.step()
         rec.step()
     assert rec.run.counts[0, 0, 0].sum() == 1024 * 1024

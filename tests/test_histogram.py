@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import frexp_columns
 
 from ampviz import formats as F
 from ampviz import histogram as H
-from conftest import frexp_columns
 
 
 def oracle_counts(values: np.ndarray) -> np.ndarray:

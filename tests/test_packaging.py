@@ -3,9 +3,9 @@ test command, committed notebooks carry no outputs."""
 
 import json
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 

@@ -1,6 +1,5 @@
 """The Recorder against directly computed gradients, real GradScaler behaviour, and bit-identical training."""
 
-import math
 
 import numpy as np
 import pytest
@@ -127,8 +126,9 @@ def test_fp16_gradscaler_weights_unscaled_activations_scaled():
         np.testing.assert_array_equal(run.counts[0, s, -1], oracle.acts[s][0].numpy())     # as computed
     # one call away: the activation gradients divided by the loss scale
     log2s = np.log2(run.loss_scale[0]).astype(int)
+    unscaled = run.counts_in("unscaled")
     for s in range(5):
-        np.testing.assert_array_equal(run.counts_in("unscaled")[0, s, -1], H.shift(oracle.acts[s][0].numpy(), -log2s[s]))
+        np.testing.assert_array_equal(unscaled[0, s, -1], H.shift(oracle.acts[s][0].numpy(), -log2s[s]))
     assert np.allclose(run.loss[0], [float(v) for v in run.loss[0]]) and np.isfinite(run.loss).all()
 
 
@@ -169,11 +169,10 @@ def test_recording_never_changes_training_bit_for_bit():
         if with_recorder:
             rec = ampviz.Recorder(model, opt, scaler=scaler, activations=True)
             with rec:
-                losses = train(model, data, dtype=torch.float16, scaler=scaler, accum=3, recorder=rec)
+                train(model, data, dtype=torch.float16, scaler=scaler, accum=3, recorder=rec)
             assert rec.run.n_steps == 8 and rec.run.skipped.any() and not rec.run.skipped.all()
         else:
             opt_ = opt
-            losses = []
             for i in range(0, 24, 3):
                 for x, y in data[i:i + 3]:
                     with torch.autocast("cpu", dtype=torch.float16):
@@ -263,7 +262,7 @@ def test_enabled_false_is_a_no_op():
         assert hook_counts(model, opt) == (0, 0, 0, 0)
         train(model, batches(2), recorder=rec)
     with pytest.raises(RuntimeError, match="enabled=False"):
-        rec.run
+        _ = rec.run
 
 
 def test_module_outputs_modified_in_place_still_give_the_output_gradient():
@@ -314,9 +313,8 @@ def test_bad_inputs_are_named():
 def test_ddp_two_ranks_record_rank_world_and_local_vs_reduced(tmp_path):
     import socket
 
-    import torch.multiprocessing as mp
-
     import _ddp_worker
+    import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

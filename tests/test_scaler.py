@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ampviz.scaler import (DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_scaler,
-                           replay)
+from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_scaler, replay
 
 
 def real_gradscaler_trace(flags, **kw):
