@@ -1,0 +1,149 @@
+"""Figure builders: their data against the inputs, region edges against real casts, clear errors."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ampviz import formats as F
+from ampviz import histogram as H
+from ampviz.plots import bits_figure, histogram_figure, region_edges
+from ampviz.plots._style import log2_ticks, percent
+from ampviz.plots.histogram import binade_positions
+
+
+def sample_counts(seed=0, n=20000, lo=-40, hi=2):
+    rng = np.random.default_rng(seed)
+    vals = np.exp2(rng.uniform(lo, hi, n)) * rng.choice([-1.0, 1.0], n)
+    vals[:500] = 0.0
+    vals[500:503] = [np.inf, -np.inf, np.nan]
+    return H.histogram(torch.from_numpy(vals).float()).numpy()
+
+
+def named(items, name):
+    [item] = [x for x in items if x.name == name]
+    return item
+
+
+# ---------------------------------------------------------------------------- histogram figure
+def test_bar_heights_are_the_counts():
+    c = sample_counts()
+    fig = histogram_figure(c, "fp16", 0)
+    assert list(named(fig.data, "zero").y) == [500]
+    np.testing.assert_array_equal(named(fig.data, "binades").y, c[H.BELOW:H.ABOVE])
+    assert list(named(fig.data, "nonfinite").y) == [2, 1]
+    # bars sit at the centre of their binade: (2**k, 2**(k+1)] at k + 0.5
+    x = np.asarray(named(fig.data, "binades").x)
+    assert x[H.column(-24) - H.BELOW] == -23.5
+    # leading axes (steps, tensors) are summed
+    stacked = np.stack([c, 2 * c])
+    np.testing.assert_array_equal(named(histogram_figure(stacked).data, "binades").y, 3 * c[H.BELOW:H.ABOVE])
+
+
+@pytest.mark.parametrize("fmt", list(F.FORMATS.values()), ids=list(F.FORMATS))
+@pytest.mark.parametrize("s", [0, 7, -3])
+def test_region_edges_are_the_format_limits_shifted_by_the_scale(fmt, s):
+    e = region_edges(fmt, s)
+    assert e["flushed"][1] == math.log2(fmt.min_subnormal / 2) - s
+    assert e["subnormal"] == (math.log2(fmt.min_subnormal / 2) - s, math.log2(fmt.min_normal) - s)
+    assert e["overflow"][0] == math.log2(fmt.overflow_threshold) - s
+    # the edges are where a real rounding changes class, for a value times 2**s
+    a, b, c = e["subnormal"][0], e["normal"][0], e["overflow"][0]
+    scale = 2.0 ** s
+    assert fmt.round(2.0 ** a * scale) == 0.0 and fmt.round(2.0 ** (a + 0.01) * scale) != 0.0
+    below = 2.0 ** b * scale * (1 - fmt.eps)      # min_normal - min_subnormal: the largest subnormal
+    assert fmt.classify(below) == "subnormal" and fmt.classify(2.0 ** b * scale) == "normal"
+    edge = 2.0 ** c * scale                     # overflow starts here (within float error)
+    just_below, just_above = edge * (1 - fmt.eps / 8), edge * (1 + fmt.eps / 8)
+    if fmt.saturates:       # e4m3fn: above the edge a cast clamps to max, further than half an ulp away
+        half_ulp = fmt.ulp(fmt.max) / 2
+        assert just_below - fmt.max < half_ulp < just_above - fmt.max and fmt.round(just_above) == fmt.max
+    else:
+        assert fmt.round(just_below) == fmt.max and math.isinf(fmt.round(just_above))
+
+
+@pytest.mark.parametrize("fmt,s", [("fp16", 0), ("fp16", 12), ("bf16", 0), ("fp8_e4m3fn", 9), ("fp8_e5m2", 3)])
+def test_shading_and_fractions_match_edges_and_fate(fmt, s):
+    c = sample_counts(1)
+    fig = histogram_figure(c, fmt, s)
+    lo, hi = fig.layout.xaxis2.range
+    for r, (a, b) in region_edges(fmt, s).items():
+        shape = named(fig.layout.shapes, f"region:{r}")
+        assert (shape.x0, shape.x1) == (min(max(a, lo), hi), min(max(b, lo), hi))
+    fate = H.fate(c, fmt, log2_scale=s)
+    for r in ("flushed", "subnormal", "normal", "overflow"):
+        assert named(fig.layout.annotations, f"fraction:{r}").text.endswith(f"<b>{percent(fate.fraction(r))}</b>")
+    assert f"2<sup>{s}</sup>" in fig.layout.title.text and F.get_format(fmt).name in fig.layout.title.text
+    assert "unscaled" in fig.layout.xaxis2.title.text
+
+
+def test_flushed_share_on_the_figure_equals_a_real_fp16_cast():
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(np.exp2(rng.uniform(-36, -8, 30000))).float()
+    for s in (0, 6, 12):
+        real = float(((x * 2.0 ** s).half() == 0).double().mean())
+        fig = histogram_figure(H.histogram(x), "fp16", s)
+        assert named(fig.layout.annotations, "fraction:flushed").text.endswith(f"<b>{percent(real)}</b>")
+
+
+def test_default_range_shows_every_nonempty_bin_and_the_edges():
+    c = sample_counts(lo=-60, hi=-50)
+    fig = histogram_figure(c, "fp16", 0)
+    lo, hi = fig.layout.xaxis2.range
+    x = binade_positions()[c[H.BELOW:H.ABOVE] > 0]
+    assert lo <= x.min() - 0.5 and hi >= x.max() + 0.5
+    assert lo <= region_edges("fp16", 0)["subnormal"][0] and hi >= region_edges("fp16", 0)["overflow"][0]
+
+
+def test_log2_ticks_show_real_values():
+    vals, text = log2_ticks(-26, -22)
+    assert vals == [-26, -25, -24, -23, -22]
+    assert text[2] == "2<sup>-24</sup><br>6e-8"         # 2**-24 ≈ 5.96e-8
+    vals, _ = log2_ticks(-100, 20)
+    assert len(vals) <= 11 and all(v % 16 == 0 for v in vals)
+
+
+def test_percent_never_rounds_a_nonzero_share_away():
+    assert percent(0) == "0%" and percent(1) == "100%"
+    assert percent(1e-5) == "<0.1%" and percent(1 - 1e-5) == ">99.9%" and percent(0.1234) == "12.3%"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(counts=np.zeros(10, dtype=np.int64)), "257 bins"),
+    (dict(log2_scale=2.5), "log2_scale: expected an integer"),
+    (dict(domain="loss"), "domain: expected one of"),
+    (dict(format="fp12"), "unknown format 'fp12'"),
+    (dict(x_range=(3, 1)), "x_range: expected lo < hi"),
+])
+def test_histogram_figure_rejects_bad_input(kwargs, match):
+    args = dict(counts=sample_counts(), format="fp16", log2_scale=0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        histogram_figure(args.pop("counts"), **args)
+
+
+# ---------------------------------------------------------------------------- bit layout
+@pytest.mark.parametrize("value,fmt", [(0.1, "fp16"), (-3e-8, "fp16"), (1.0, "fp32"), (300.0, "fp8_e4m3fn"),
+                                       (float("inf"), "bf16"), (1e-40, "bf16"), (0.0, "fp8_e5m2")])
+def test_bits_figure_shows_the_decomposition(value, fmt):
+    f = F.get_format(fmt)
+    d = f.decompose(value)
+    fig = bits_figure(value, fmt)
+    heat = fig.data[0]
+    assert "".join(heat.text[0]) == d.bits.replace(" ", "")
+    fields = [0] + [1] * f.exponent_bits + [2] * f.mantissa_bits
+    assert list(heat.z[0]) == [2 * k + int(b) for k, b in zip(fields, d.bits.replace(" ", ""))]
+    result = named(fig.layout.annotations, "result").text
+    assert f"({d.kind})" in result
+    if d.kind in ("normal", "subnormal"):
+        assert f"<b>{d.value!r}</b>" in result
+    label = named(fig.layout.annotations, "label:mantissa").text
+    assert f"({f.mantissa_bits} bits)" in label
+
+
+def test_bits_figure_from_raw_fields_reaches_any_nan_and_checks_ranges():
+    fig = bits_figure(fields=(1, 31, 5), format="fp16")
+    assert "".join(fig.data[0].text[0]) == "1111110000000101"
+    assert "nan" in named(fig.layout.annotations, "result").text
+    with pytest.raises(ValueError, match=r"mantissa: expected an integer in \[0, 1023\]"):
+        bits_figure(fields=(0, 1, 1024), format="fp16")

@@ -1,0 +1,199 @@
+"""Widgets by their state after controls change: figure data, labels, readouts (no browser)."""
+
+import json
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from ampviz import formats as F
+from ampviz import histogram as H
+from ampviz.plots._style import percent
+from ampviz.plots.histogram import region_edges
+from ampviz.run import Run
+from ampviz.widgets import DtypeExplorer, ScaleExplorer
+
+
+def make_run(steps=8, log2_scales=(16, 16, 15, 15, 15, 15, 16, 16), seed=0):
+    """Two tensors: a weight gradient stored unscaled, an activation gradient stored scaled."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((1, steps, 2, H.NBINS), dtype=np.int64)
+    scale = np.exp2(np.asarray(log2_scales, dtype=float))[None]
+    for h in range(steps):
+        w = np.exp2(rng.uniform(-34, -6, 400))
+        a = np.exp2(rng.uniform(-40, -10, 600)) * scale[0, h]
+        a[:50] = 0.0
+        counts[0, h, 0] = H.histogram(torch.from_numpy(w).float()).numpy()
+        counts[0, h, 1] = H.histogram(torch.from_numpy(a).float()).numpy()
+    nxt = np.concatenate([scale[:, 1:], scale[:, -1:]], axis=1)
+    return Run(np.arange(steps), rng.random((1, steps)), scale, nxt, nxt < scale, np.arange(steps), counts,
+               ["fc.weight", "fc"], ["weight", "activation"], ["torch.float32", "torch.float16"],
+               {"world_size": 1, "ranks": [0], "every": 1, "domains": {"weight": "unscaled", "activation": "scaled"}})
+
+
+def figure_state(figure_widget) -> dict:
+    """The figure as plain data, without the per-widget trace uids."""
+    d = json.loads(go.Figure(figure_widget).to_json())
+    for trace in d["data"]:
+        trace.pop("uid", None)
+    return d
+
+
+def named(items, name):
+    [item] = [x for x in items if x.name == name]
+    return item
+
+
+# ---------------------------------------------------------------------------- DtypeExplorer
+def test_dtype_explorer_initial_state_matches_decompose():
+    w = DtypeExplorer(0.1, "fp16")
+    d = F.FP16.decompose(0.1)
+    assert w.value == d.value and w.bit_string == d.bits and w.info["kind"] == "normal"
+    assert "".join(b.description for b in w.bit_buttons) == d.bits.replace(" ", "")
+    assert [b.value for b in w.bit_buttons] == [c == "1" for c in d.bits.replace(" ", "")]
+    assert "".join(w.figure.data[0].text[0]) == d.bits.replace(" ", "")
+    assert "rounding error" in w.readout.value           # 0.1 is not representable in fp16
+
+
+def test_clicking_a_bit_gives_the_composed_value():
+    w = DtypeExplorer(1.0, "fp16")
+    w.bit_buttons[-1].value = True                       # lowest mantissa bit: 1 + 2**-10
+    assert w.value == F.FP16.compose(0, 15, 1) == 1 + 2 ** -10
+    assert w.value_box.value == repr(1 + 2 ** -10)
+    assert "".join(w.figure.data[0].text[0])[-1] == "1"
+    w.bit_buttons[0].value = True                        # sign
+    assert w.value == -(1 + 2 ** -10)
+    for b in w.bit_buttons[1:6]:                         # exponent all ones, mantissa non-zero: nan
+        b.value = True
+    assert math.isnan(w.value) and w.info["kind"] == "nan"
+    assert w.fields == (1, 31, 1)                        # the clicked pattern stays, not a canonical nan
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp32"])
+def test_value_box_round_trips_and_readouts_agree_with_format(fmt, rng):
+    f = F.get_format(fmt)
+    w = DtypeExplorer(0.0, fmt)
+    for _ in range(25):
+        sign, e, m = int(rng.integers(2)), int(rng.integers((1 << f.exponent_bits) - 1)), \
+            int(rng.integers(1 << f.mantissa_bits))
+        v = f.compose(sign, e, m)
+        if math.isnan(v):
+            continue
+        w.value_box.value = repr(v)
+        assert w.value == v and w.fields == (sign, e, m)
+        assert w.info["next_up"] == f.next_up(v) and w.info["next_down"] == f.next_down(v)
+        assert w.info["ulp"] == f.ulp(v)
+        for key in ("next_up", "next_down", "ulp"):
+            assert repr(w.info[key]) in w.readout.value
+        assert "rounding error" not in w.readout.value   # representable: stored exactly
+
+
+def test_value_box_accepts_powers_of_two_and_reports_bad_text():
+    w = DtypeExplorer(1.0, "fp16")
+    w.value_box.value = "2**-24"
+    assert w.value == F.FP16.min_subnormal and w.info["kind"] == "subnormal"
+    w.value_box.value = "1e-8"                           # flushes to zero in fp16
+    assert w.value == 0.0 and "rounding error 1e-08" in w.readout.value
+    before = w.fields
+    w.value_box.value = "abc"
+    assert w.fields == before and "is not a number" in w.readout.value
+    with pytest.raises(ValueError, match="is not a number"):
+        w.set_value("abc")
+
+
+def test_changing_format_rerounds_the_input_and_rebuilds_the_bits():
+    w = DtypeExplorer(70000.0, "fp16")
+    assert math.isinf(w.value)
+    w.format_dropdown.value = "bf16"
+    assert w.value == F.BF16.round(70000.0) and len(w.bit_buttons) == 16
+    assert w.bit_string == F.BF16.decompose(70000.0).bits
+    w.format_dropdown.value = "fp8_e4m3fn"
+    assert w.value == 448.0 and len(w.bit_buttons) == 8 and len(w.figure.data[0].z[0]) == 8
+
+
+def test_dtype_explorer_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown format 'fp7'"):
+        DtypeExplorer(1.0, "fp7")
+    with pytest.raises(ValueError, match="value: 'x' is not a number"):
+        DtypeExplorer("x", "fp16")
+
+
+# ---------------------------------------------------------------------------- ScaleExplorer
+def test_scale_explorer_bars_are_the_runs_unscaled_counts():
+    run = make_run()
+    w = ScaleExplorer(run)
+    expected = run.counts_in("unscaled")[0].sum(axis=(0, 1))
+    np.testing.assert_array_equal(w.counts, expected)
+    np.testing.assert_array_equal(named(w.figure.data, "binades").y, expected[H.BELOW:H.ABOVE])
+    assert w.slider.value == 15                          # the run's median scale
+    w1 = ScaleExplorer(run, step=3, tensor="fc")
+    np.testing.assert_array_equal(w1.counts, run.counts_in("unscaled")[0, 3, 1])
+    w2 = ScaleExplorer(run, kind="weight")
+    np.testing.assert_array_equal(w2.counts, run.counts[0, :, 0].sum(axis=0))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8_e5m2"])
+def test_moving_the_slider_moves_regions_and_updates_shares(fmt):
+    run = make_run()
+    w = ScaleExplorer(run, fmt)
+    w.format_dropdown.value = fmt
+    lo, hi = w.figure.layout.xaxis2.range
+    overflow = []
+    for s in (0, 9, 24, 32):
+        w.slider.value = s
+        fate = H.fate(w.counts, fmt, log2_scale=s)
+        for r, (a, b) in region_edges(fmt, s).items():
+            shape = named(w.figure.layout.shapes, f"region:{r}")
+            assert (shape.x0, shape.x1) == (min(max(a, lo), hi), min(max(b, lo), hi))
+            assert w.fractions[r] == pytest.approx(float(fate.fraction(r)), abs=1e-15)
+            label = named(w.figure.layout.annotations, f"fraction:{r}").text
+            assert label.endswith(f"<b>{percent(w.fractions[r])}</b>")
+            assert f"{int(getattr(fate, r)):,} ({percent(w.fractions[r])}" in w.readout.value
+        assert f"2<sup>{s}</sup>" in w.figure.layout.title.text and w.scale_label.value.startswith(f"2^{s} ")
+        overflow.append(w.fractions["overflow"])
+    assert overflow[0] == 0 and overflow[-1] > 0.2 and overflow == sorted(overflow)
+
+
+def test_scale_explorer_is_built_with_its_final_initial_state():
+    """A FigureWidget saves only the figure it was created with: the initial figure must already
+    be the state the controls describe, identical to reaching it by moving the slider."""
+    counts = make_run().counts_in("unscaled")[0].sum(axis=(0, 1))
+    direct = ScaleExplorer(counts, log2_scale=11)
+    moved = ScaleExplorer(counts, log2_scale=3)
+    moved.slider.value = 11
+    assert figure_state(direct.figure) == figure_state(moved.figure)
+    assert direct.readout.value == moved.readout.value
+
+
+def test_scale_explorer_from_a_raw_tensor_matches_a_real_cast():
+    x = torch.from_numpy(np.exp2(np.random.default_rng(5).uniform(-34, -10, 20000))).float()
+    w = ScaleExplorer(x, log2_scale=0)
+    for s in (0, 5, 10):
+        w.slider.value = s
+        assert w.fractions["flushed"] == pytest.approx(float(((x * 2.0 ** s).half() == 0).double().mean()))
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(source=np.zeros(5, dtype=np.int64)), TypeError, "source: expected an ampviz.Run"),
+    (dict(step=2), ValueError, "step: only applies when the source is an ampviz.Run"),
+    (dict(log2_range=(5, 5)), ValueError, "log2_range: expected -126 <= lo < hi <= 126"),
+    (dict(log2_scale=40), ValueError, "log2_scale: 40 is outside log2_range"),
+    (dict(format="fp12"), ValueError, "unknown format"),
+    (dict(domain="weird"), ValueError, "domain: expected one of"),
+])
+def test_scale_explorer_rejects_bad_arguments(kwargs, err, match):
+    args = dict(source=H.histogram(torch.ones(4)).numpy()) | kwargs
+    with pytest.raises(err, match=match):
+        ScaleExplorer(args.pop("source"), **args)
+
+
+def test_scale_explorer_run_selection_errors():
+    run = make_run()
+    with pytest.raises(KeyError, match="step: 99 has no histogram"):
+        ScaleExplorer(run, step=99)
+    with pytest.raises(KeyError, match="tensor: no tensor named 'nope'"):
+        ScaleExplorer(run, tensor="nope")
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        ScaleExplorer(run, kind="bias")
