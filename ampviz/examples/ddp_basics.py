@@ -1,0 +1,162 @@
+"""Process-group basics, one small function per idea (lesson 09 runs them on 2 ranks).
+
+Each function joins the process group with :func:`ampviz.distributed.init_from_env` (torchrun's
+environment) and returns plain data, so a notebook can run it with ``ampviz.distributed.launch``::
+
+    from ampviz.distributed import launch
+    launch(hello, nprocs=2)                       # [{'rank': 0, 'world_size': 2, ...}, {'rank': 1, ...}]
+
+or a terminal with torchrun, which runs :func:`main` (hello + an all-reduce on every rank)::
+
+    torchrun --nproc-per-node 2 -m ampviz.examples.ddp_basics
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from ..data import digits
+from ..distributed import init_from_env
+from ..models import MLP
+
+__all__ = ["hello", "sampler_shares", "reductions", "rank0_evaluation", "restore_and_broadcast", "small_model",
+           "main"]
+
+
+def small_model(seed: int) -> torch.nn.Module:
+    """The MLP used by these examples (64 pixels -> 32 -> 10 classes), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return MLP(64, 32, depth=1, d_out=10)
+
+
+def _checksum(module) -> float:
+    return float(sum(p.detach().double().sum() for p in module.parameters()))
+
+
+def _shard(rank: int, world: int):
+    """This rank's share of the digits training set (every world-th example)."""
+    d = digits(seed=0)
+    return d.x_train[rank::world], d.y_train[rank::world]
+
+
+def hello() -> dict:
+    """Join the group; report who this process is."""
+    env = init_from_env(timeout=30)
+    return {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
+            "backend": env.backend, "device": str(env.device), "pid": os.getpid(),
+            "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
+
+
+def sampler_shares(n: int, epochs: int, seed: int = 0) -> dict:
+    """The indices this rank's ``DistributedSampler`` yields per epoch, with and without ``set_epoch``."""
+    init_from_env(timeout=30)
+    out = {}
+    for label, call_set_epoch in (("without_set_epoch", False), ("with_set_epoch", True)):
+        sampler = DistributedSampler(range(n), shuffle=True, seed=seed)   # rank and world size from the group
+        rows = []
+        for epoch in range(epochs):
+            if call_set_epoch:
+                sampler.set_epoch(epoch)
+            rows.append(list(sampler))
+        out[label] = rows
+    return out
+
+
+def reductions() -> dict:
+    """This rank's loss on its data shard, then ``all_reduce`` (sum, every rank) vs ``reduce`` (to rank 0)."""
+    env = init_from_env(timeout=30)
+    x, y = _shard(env.rank, env.world_size)
+    with torch.no_grad():
+        loss = F.cross_entropy(small_model(0)(x), y)          # the same model, different data per rank
+    summed = loss.clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)             # every rank receives the sum
+    reduced = loss.clone()
+    dist.reduce(reduced, dst=0, op=dist.ReduceOp.SUM)         # only rank 0's result is defined
+    return {"rank": env.rank, "examples": len(y), "local_loss": float(loss), "all_reduce_sum": float(summed),
+            "all_reduce_mean": float(summed) / env.world_size, "after_reduce": float(reduced)}
+
+
+def _train_steps(ddp, opt, x, y, steps: int) -> None:
+    for i in range(steps):
+        sl = slice(32 * i, 32 * (i + 1))
+        loss = F.cross_entropy(ddp(x[sl]), y[sl])
+        loss.backward()                                       # DDP all-reduces the gradients here
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def rank0_evaluation(path: str, use_barrier: bool, eval_seconds: float = 1.0) -> dict:
+    """Train a step, let rank 0 evaluate and save a checkpoint, then look for the file on every rank.
+
+    The evaluation is real, followed by ``eval_seconds`` of sleep that stands in for a long one.
+    Returns whether this rank saw the checkpoint, how long it waited (in the barrier, or in the next
+    step's all-reduce), and a checksum of its parameters after one more step.
+    """
+    env = init_from_env(timeout=60)
+    x, y = _shard(env.rank, env.world_size)
+    ddp = DDP(small_model(0))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _train_steps(ddp, opt, x, y, 1)
+    if env.rank == 0:
+        d = digits(seed=0)
+        with torch.no_grad():
+            accuracy = float((ddp.module(d.x_test).argmax(1) == d.y_test).float().mean())
+        time.sleep(eval_seconds)
+        torch.save({"model": ddp.module.state_dict(), "accuracy": accuracy}, path)
+    start = time.perf_counter()
+    if use_barrier:
+        dist.barrier()                                        # nobody passes until rank 0 arrives
+    waited_barrier = time.perf_counter() - start
+    found = os.path.exists(path)
+    start = time.perf_counter()
+    _train_steps(ddp, opt, x, y, 1)                           # its all-reduce waits for every rank
+    step_seconds = time.perf_counter() - start
+    return {"rank": env.rank, "found_checkpoint": found, "barrier_seconds": waited_barrier,
+            "next_step_seconds": step_seconds, "checksum": _checksum(ddp.module)}
+
+
+def restore_and_broadcast(path: str, lr: float = 1e-3) -> dict:
+    """Resume from a checkpoint the way the seed does: model on rank 0 then DDP's broadcast; optimizer
+    state restored on every rank, or (the mistake) on rank 0 only. One step each; checksums returned."""
+    env = init_from_env(timeout=60)
+    x, y = _shard(env.rank, env.world_size)
+    out = {"rank": env.rank}
+    for variant in ("every_rank", "rank0_only"):
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)   # every rank reads the file
+        model = small_model(100 + env.rank)                  # deliberately different weights per rank
+        if env.rank == 0:
+            model.load_state_dict(ckpt["model"])
+        before = _checksum(model)
+        ddp = DDP(model)                                      # broadcasts rank 0's parameters to all
+        after = _checksum(model)
+        matches = all(torch.equal(p, ckpt["model"][k]) for k, p in model.state_dict().items())
+        opt = torch.optim.Adam(ddp.parameters(), lr=lr)
+        if variant == "every_rank" or env.rank == 0:
+            opt.load_state_dict(ckpt["optimizer"])
+        first = opt.state.get(next(iter(model.parameters())), {})
+        adam_step = int(first["step"]) if "step" in first else 0
+        _train_steps(ddp, opt, x, y, 1)
+        out[variant] = {"before_ddp": before, "after_ddp": after, "matches_checkpoint": matches,
+                        "adam_step_loaded": adam_step, "after_step": _checksum(model)}
+    return out
+
+
+def main() -> None:
+    """Under torchrun: say hello from every rank, then all-reduce each rank's number."""
+    info = hello()
+    value = torch.tensor([float(info["rank"] + 1)])
+    dist.all_reduce(value)
+    print(f"rank {info['rank']} of {info['world_size']} (pid {info['pid']}, backend {info['backend']}, "
+          f"device {info['device']}): all_reduce(rank + 1) = {value.item():g}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

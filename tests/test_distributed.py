@@ -1,0 +1,101 @@
+"""ampviz.distributed: sampler tables against PyTorch's own permutation, ranks launched from Python,
+collectives checked against sums computed here, and a rank that fails on purpose."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import ampviz
+from ampviz.distributed import LaunchError, Workers, init_from_env, is_collective_failure, launch, sampler_table
+from ampviz.examples import ddp_basics
+from ampviz.examples.ddp_amp import Config, train_worker
+
+
+def test_sampler_table_matches_torch_randperm_oracle():
+    n, world, epochs, seed = 10, 2, 3, 7
+    table = sampler_table(n, world, epochs, seed=seed)
+    assert table.shape == (epochs, world, n // world)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for rank in range(world):
+            assert table[epoch, rank].tolist() == order[rank::world]
+
+
+def test_sampler_table_set_epoch_and_partition():
+    with_epoch = sampler_table(12, 3, 4, set_epoch=True)
+    without = sampler_table(12, 3, 4, set_epoch=False)
+    for epoch in range(4):                       # each epoch the ranks split the data set exactly
+        assert sorted(with_epoch[epoch].ravel().tolist()) == list(range(12))
+    assert all(np.array_equal(without[0], without[e]) for e in range(4))
+    assert not np.array_equal(with_epoch[0], with_epoch[1])
+    np.testing.assert_array_equal(with_epoch[0], without[0])          # epoch 0 is the same either way
+    padded = sampler_table(5, 2, 1, shuffle=False)                    # 5 items on 2 ranks: one repeats
+    assert padded.tolist() == [[[0, 2, 4], [1, 3, 0]]]
+    assert sampler_table(5, 2, 1, shuffle=False, drop_last=True).tolist() == [[[0, 2], [1, 3]]]
+    with pytest.raises(ValueError, match="world_size: expected an integer >= 1, got 0"):
+        sampler_table(4, 0)
+
+
+def test_init_from_env_without_torchrun_is_a_world_of_one(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    env = init_from_env()
+    assert (env.rank, env.world_size, env.backend) == (0, 1, None)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="timeout: expected a positive number of seconds, got 0"):
+        init_from_env(timeout=0)
+
+
+def test_launch_rejects_functions_spawn_cannot_import():
+    with pytest.raises(ValueError, match="fn: expected a function defined at the top level"):
+        launch(lambda: 1, 2)
+    with pytest.raises(ValueError, match="nprocs: expected an integer >= 1, got 0"):
+        launch(ddp_basics.hello, 0)
+
+
+def test_is_collective_failure():
+    assert is_collective_failure(RuntimeError("[gloo/pair.cc:553] Connection closed by peer"))
+    assert is_collective_failure(torch.distributed.DistBackendError("x"))
+    assert not is_collective_failure(RuntimeError("rank 1: deliberate failure"))
+    assert not is_collective_failure(ValueError("Timed out"))
+
+
+@pytest.mark.slow
+def test_workers_run_collectives_on_two_ranks():
+    with Workers(2, timeout=120) as workers:
+        hello = workers.run(ddp_basics.hello)
+        assert [h["rank"] for h in hello] == [0, 1]
+        assert {h["world_size"] for h in hello} == {2} and {h["backend"] for h in hello} == {"gloo"}
+        assert hello[0]["pid"] != hello[1]["pid"] and hello[0]["master"] == hello[1]["master"]
+        shares = workers.run(ddp_basics.sampler_shares, 12, 3, 5)
+        for key, set_epoch in (("with_set_epoch", True), ("without_set_epoch", False)):
+            got = np.array([s[key] for s in shares]).transpose(1, 0, 2)       # (epochs, ranks, n)
+            np.testing.assert_array_equal(got, sampler_table(12, 2, 3, seed=5, set_epoch=set_epoch))
+        red = workers.run(ddp_basics.reductions)
+        total = red[0]["local_loss"] + red[1]["local_loss"]
+        assert red[0]["local_loss"] != red[1]["local_loss"]                   # different data per rank
+        for r in red:
+            assert r["all_reduce_sum"] == pytest.approx(total, rel=1e-6)
+        assert red[0]["after_reduce"] == pytest.approx(total, rel=1e-6)
+    assert workers.closed
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_other_with_a_clear_error(tmp_path):
+    config = Config(out=str(tmp_path), steps=8, eval_every=100, fail_rank=1, fail_step=2, timeout=20,
+                    progress=False)
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(train_worker, 2, args=(config,), timeout=150, grace=40)
+    assert time.monotonic() - start < 150
+    outcomes = info.value.outcomes
+    assert outcomes[1].startswith("raised RuntimeError: rank 1: deliberate failure before step 2")
+    assert outcomes[0].startswith("raised PeerFailure: rank 0 stopped: a collective operation failed")
+    assert "rank 1: raised RuntimeError" in str(info.value) and "Traceback" in info.value.tracebacks[1]
+    # both ranks saved what they recorded before the failure; no temporary files are left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.npz", "rank1.npz"]
+    run = ampviz.Run.load(tmp_path)
+    assert run.ranks == [0, 1] and run.n_steps == 2
+    np.testing.assert_array_equal(run.skipped[0], run.skipped[1])

@@ -1,0 +1,80 @@
+"""The torchrun examples, run as a user would: 2 gloo ranks on the CPU, then the recorded runs loaded."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ampviz
+from ampviz import cli
+from ampviz.examples.ddp_amp import Config
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(*args, timeout=300):
+    """``python -m torch.distributed.run --standalone --nproc-per-node 2 ...`` (a free port, no clashes)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_ddp_amp_example_records_every_rank(tmp_path, capsys):
+    out = tmp_path / "ddp"
+    # init_scale 2**30 overflows fp16 at once: the first steps must be skipped, on both ranks
+    proc = torchrun("-m", "ampviz.examples.ddp_amp", "--out", str(out), "--steps", "16", "--accum", "2",
+                    "--eval-every", "8", "--init-scale", str(2.0 ** 30), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ampviz info {out}" in proc.stdout and f"ampviz report {out} -o {out / 'report.html'}" in proc.stdout
+    assert "precision" in proc.stdout and "accuracy" in proc.stdout        # the test-set classification report
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "rank0.npz", "rank1.npz"]
+    run = ampviz.Run.load(out)
+    assert run.ranks == [0, 1] and run.meta["world_size"] == 2 and run.n_steps == 16
+    kinds = np.array(run.tensor_kinds)
+    reduced, local = run.counts[:, :, kinds == "weight"], run.counts[:, :, kinds == "weight_local"]
+    np.testing.assert_array_equal(reduced[0], reduced[1])                  # all-reduced: identical
+    assert not np.array_equal(local[0], local[1])                          # before the all-reduce: not
+    acts = run.counts[:, :, kinds == "activation"]
+    assert not np.array_equal(acts[0], acts[1])                            # each rank saw other data
+    np.testing.assert_array_equal(run.skipped[0], run.skipped[1])
+    assert run.skipped[0, 0] and run.skipped[0].sum() >= 2
+    np.testing.assert_array_equal(run.loss_scale[0], run.loss_scale[1])
+    assert cli.main(["info", str(out)]) == 0
+    assert "2 ranks" in capsys.readouterr().out
+
+
+def test_a_hanging_rank_makes_the_survivor_time_out_with_a_clear_error(tmp_path):
+    out = tmp_path / "hang"
+    timeout = 10
+    start = time.monotonic()
+    proc = torchrun("-m", "ampviz.examples.ddp_amp", "--out", str(out), "--steps", "12", "--quiet",
+                    "--fail-rank", "1", "--fail-step", "3", "--fail-mode", "hang", "--timeout", str(timeout),
+                    timeout=240)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "ampviz.examples.ddp_amp: error: rank 0 stopped: a collective operation failed" in err
+    assert f"give up after timeout={timeout} s" in err and "Timed out" in err
+    assert elapsed < 200                                                   # it stopped; it did not hang
+    # the survivor saved its run on the way out; torchrun's SIGTERM made the hanging rank save its own
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.npz", "rank1.npz"]
+    run = ampviz.Run.load(out)
+    assert run.ranks == [0, 1] and run.n_steps == 3
+
+
+def test_ddp_basics_example_under_torchrun():
+    proc = torchrun("-m", "ampviz.examples.ddp_basics", timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2 and lines[0].startswith("rank 0 of 2") and lines[1].startswith("rank 1 of 2")
+    assert all(line.endswith("all_reduce(rank + 1) = 3") for line in lines)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="amp: expected 'fp16', 'bf16' or 'off', got 'fp8'"):
+        Config(amp="fp8")
+    with pytest.raises(ValueError, match="accum: expected an integer >= 1, got 0"):
+        Config(accum=0)
