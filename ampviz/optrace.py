@@ -35,7 +35,7 @@ __all__ = ["OpRecord", "OpTracer", "trace_ops", "trace_training_step", "LOW_PREC
            "DOCUMENTED_OPS", "documented_list", "expected_dtype"]
 
 LOW_PRECISION = ("float16", "bfloat16")
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "optimizer")
 # Ops that only move metadata or autograd bookkeeping; tables can hide them.
 BOOKKEEPING = ("detach", "alias", "lift_fresh")
 # The autograd node being executed (None outside backward); older torch lacks it, and then only
@@ -49,7 +49,7 @@ class OpRecord:
 
     op: str                         # overload packet name, e.g. "addmm", "_to_copy"
     overload: str                   # "default", "out", "Tensor", ...
-    phase: str                      # "forward" or "backward"
+    phase: str                      # "forward", "backward" or "optimizer"
     input_dtypes: tuple[str, ...]   # floating-point tensor inputs, e.g. ("bfloat16", "bfloat16")
     output_dtypes: tuple[str, ...]  # floating-point tensor outputs
     mutates: bool                   # in-place or out= variant (writes into an existing tensor)
@@ -66,6 +66,13 @@ class OpRecord:
     @property
     def low_precision(self) -> bool:
         return self.dtype in LOW_PRECISION
+
+    @property
+    def variant(self) -> str:
+        """ "out=" for an out= call, "in-place" for another mutating op, else "" (autocast skips both)."""
+        if self.overload.startswith("out") or self.overload.endswith("_out"):
+            return "out="
+        return "in-place" if self.mutates else ""
 
     @property
     def is_cast(self) -> bool:
@@ -85,7 +92,8 @@ class OpTracer(TorchDispatchMode):
 
     The phase of an op is "backward" when the autograd engine is executing a node while it runs
     (``torch._C._current_autograd_node``), otherwise the phase set with :meth:`phase` (default
-    "forward"). Use one tracer around both the forward and ``loss.backward()``.
+    "forward"; label an optimizer step with ``with tracer.phase("optimizer"): opt.step()``).
+    Use one tracer around both the forward and ``loss.backward()``.
     """
 
     def __init__(self):
@@ -95,7 +103,7 @@ class OpTracer(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Label the ops run inside this block ``name`` ("forward" or "backward")."""
+        """Label the ops run inside this block ``name`` ("forward", "backward" or "optimizer")."""
         if name not in PHASES:
             raise ValueError(f"phase: expected one of {PHASES}, got {name!r}")
         previous, self._phase = self._phase, name
@@ -136,16 +144,17 @@ class OpTracer(TorchDispatchMode):
 
         Returns
         -------
-        list of dict with keys ``phase``, ``op``, ``inputs``, ``outputs`` (dtype tuples),
+        list of dict with keys ``phase``, ``op``, ``variant`` ("out=", "in-place" or ""),
+        ``inputs``, ``outputs`` (dtype tuples),
         ``dtype`` (what it ran in), ``low_precision``, ``cast`` and ``count``.
         """
         counts = Counter()
         first: dict[tuple, OpRecord] = {}
         for r in self.select(phase, hide, hide_views):
-            key = (r.phase, r.op, r.input_dtypes, r.output_dtypes)
+            key = (r.phase, r.op, r.variant, r.input_dtypes, r.output_dtypes)
             counts[key] += 1
             first.setdefault(key, r)
-        return [dict(phase=k[0], op=k[1], inputs=k[2], outputs=k[3], dtype=r.dtype,
+        return [dict(phase=k[0], op=k[1], variant=k[2], inputs=k[3], outputs=k[4], dtype=r.dtype,
                      low_precision=r.low_precision, cast=r.is_cast, count=counts[k])
                 for k, r in first.items()]
 

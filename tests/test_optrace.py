@@ -97,7 +97,8 @@ def test_in_place_and_out_variants_are_not_autocast():
     out_of_place, in_place, with_out = tracer.result
     assert out_of_place.dtype == torch.bfloat16 and in_place.dtype == with_out.dtype == torch.float32
     mutating = [r for r in tracer.records if r.mutates]
-    assert {(r.op, r.overload) for r in mutating} == {("addmm_", "default"), ("mm", "out")}
+    assert {(r.op, r.overload, r.variant) for r in mutating} == {("addmm_", "default", "in-place"),
+                                                                  ("mm", "out", "out=")}
     assert all(r.dtype == "float32" for r in mutating)
 
 
@@ -107,7 +108,7 @@ def test_table_aggregates_every_record():
     rows = tracer.table(hide=())
     assert sum(r["count"] for r in rows) == len(tracer)
     addmm = [r for r in rows if r["op"] == "addmm"]
-    assert addmm == [dict(phase="forward", op="addmm", inputs=("bfloat16",) * 3, outputs=("bfloat16",),
+    assert addmm == [dict(phase="forward", op="addmm", variant="", inputs=("bfloat16",) * 3, outputs=("bfloat16",),
                           dtype="bfloat16", low_precision=True, cast=False, count=3)]
     counts = tracer.dtype_counts("forward")
     assert counts["addmm"] == {"bfloat16": 3} and counts["_to_copy"]["cast"] == 8  # 6 params + input + logits
