@@ -1,0 +1,153 @@
+"""The ``ampviz`` command (also ``python -m ampviz``): summarise runs, write reports, run a demo.
+
+Usage::
+
+    ampviz info RUN [RUN ...] [--format fp16] [--json]
+    ampviz report RUN [RUN ...] -o report.html [--format fp16] [--title TEXT]
+    ampviz demo -o DIR [--steps 300] [--device auto|cpu|cuda] [--seed 0] [--quiet]
+
+``RUN`` is a run file (``.npz``) or a directory of per-rank run files (one DDP run). Errors
+(a missing or foreign file, a bad argument) print one line starting with ``ampviz: error:`` on
+stderr and exit with a non-zero status, without a traceback::
+
+    $ ampviz demo -o runs/demo --steps 200
+    $ ampviz info runs/demo/run.npz
+    $ ampviz report runs/demo/run.npz -o report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .formats import FORMATS
+from .run import Run, RunFileError
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line: ``ampviz: error: ...``."""
+
+    def error(self, message):
+        self.exit(2, f"ampviz: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ampviz`` command."""
+    p = _Parser(prog="ampviz", description="See what mixed precision does to your gradients.")
+    p.add_argument("--version", action="version", version=f"ampviz {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,report,demo}")
+    fmt = dict(choices=list(FORMATS), default="fp16", help="format the fractions refer to (default fp16)")
+
+    info = sub.add_parser("info", help="print a concise summary of runs")
+    info.add_argument("runs", nargs="+", metavar="RUN", help="run file (.npz) or directory of rank files")
+    info.add_argument("--format", **fmt)
+    info.add_argument("--json", action="store_true", help="print Run.summary() as JSON instead")
+    info.set_defaults(func=_cmd_info)
+
+    report = sub.add_parser("report", help="write a self-contained HTML report")
+    report.add_argument("runs", nargs="+", metavar="RUN", help="run file (.npz) or directory of rank files")
+    report.add_argument("-o", "--output", required=True, type=Path, help="the HTML file to write")
+    report.add_argument("--format", **fmt)
+    report.add_argument("--title", default="ampviz report", help="page title")
+    report.set_defaults(func=_cmd_report)
+
+    demo = sub.add_parser("demo", help="record a short real fp16 training run and write its report")
+    demo.add_argument("-o", "--output", required=True, type=Path, help="directory for run.npz and report.html")
+    demo.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the model and batch order")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the ``ampviz`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:            # --help, --version, or a usage error already printed
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return args.func(args)
+    except (RunFileError, ValueError, OSError) as e:
+        return _fail(str(e) or type(e).__name__)
+    except KeyboardInterrupt:
+        return _fail("interrupted", status=130)
+
+
+def _fail(message: str, status: int = 1) -> int:
+    print(f"ampviz: error: {' '.join(message.split())}", file=sys.stderr)
+    return status
+
+
+def _load(path: Path) -> Run:
+    return Run.load(path)
+
+
+def _cmd_info(args) -> int:
+    from .report import summary_rows
+    runs = [(path, _load(Path(path))) for path in args.runs]     # load all first: fail before printing
+    if args.json:
+        out = {str(path): run.summary(args.format) for path, run in runs}
+        print(json.dumps(out if len(runs) > 1 else out[str(runs[0][0])], indent=2))
+        return 0
+    for i, (path, run) in enumerate(runs):
+        rows = summary_rows(run, args.format)
+        width = max(len(label) for label, _ in rows)
+        print(("\n" if i else "") + str(path))
+        for label, text in rows:
+            print(f"  {label:<{width}}  {text}")
+    return 0
+
+
+def _check_output_file(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"-o/--output: {path} is a directory; give the HTML file to write, e.g. {path}/report.html")
+
+
+def _cmd_report(args) -> int:
+    from .report import write_report
+    _check_output_file(args.output)
+    runs = [_load(Path(path)) for path in args.runs]
+    labels = [str(path) for path in args.runs]
+    write_report(runs, args.output, labels=labels, format=args.format, title=args.title)
+    print(f"wrote {args.output} ({args.output.stat().st_size / 1e6:.1f} MB, {len(runs)} run"
+          f"{'s' if len(runs) != 1 else ''})")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import resolve_device, train_demo
+    from .report import summary_rows, write_report
+    out = args.output
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"-o/--output: {out} exists and is not a directory")
+    device = resolve_device(args.device)        # fail before creating anything
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    run = train_demo(steps=args.steps, device=device.type, seed=args.seed, path=out / "run.npz",
+                     progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    write_report([run], out / "report.html", labels=[f"ampviz demo ({run.meta['device']})"],
+                 title="ampviz demo: fp16 training with a GradScaler")
+    print(f"trained {args.steps} steps on {device.type} in {seconds:.1f} s")
+    for label, text in summary_rows(run):
+        print(f"  {label:<26}  {text}")
+    print(f"wrote {out / 'run.npz'} and {out / 'report.html'}")
+    return 0

@@ -1,0 +1,242 @@
+"""A run summary in words, and a self-contained HTML report of one or several runs.
+
+``summary_rows`` turns ``Run.summary()`` into labelled lines (``ampviz info`` prints them, the
+report shows them as a table). ``write_report`` writes one HTML page with plotly.js inlined (it
+opens with no network): per run, the summary, the loss-scale trace, histograms against the
+format's ranges at representative steps, the step x bin heatmap, and a per-rank comparison for
+DDP runs. Every figure comes from :mod:`ampviz.plots`::
+
+    >>> import ampviz
+    >>> from ampviz.report import write_report
+    >>> run = ampviz.Run.load("runs/demo/run.npz")              # doctest: +SKIP
+    >>> write_report([run], "report.html", labels=["demo"])     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from . import histogram as H
+from .formats import get_format
+from .run import Run
+
+__all__ = ["write_report", "report_html", "representative_steps", "summary_rows", "worst_without_scaling",
+           "format_scale"]
+
+
+def format_scale(value) -> str:
+    """``65536.0`` -> ``"2^16"``; other numbers with 4 significant digits; None -> ``"-"``."""
+    if value is None or not np.isfinite(value) or value <= 0:
+        return "-" if value is None else f"{value:g}"
+    m, e = math.frexp(float(value))
+    return f"2^{e - 1}" if m == 0.5 else f"{value:.4g}"
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.3g}%"
+
+
+def worst_without_scaling(run: Run, format="fp16") -> tuple[float, str | None]:
+    """Largest fraction of non-zero values of any tensor and step that would flush to zero in
+    ``format`` if the loss were not scaled, and that tensor's name.
+
+    Computed from the unscaled view of every tensor. Activation gradients are recorded as the
+    (fp16) backward produced them, so values already flushed there are zeros, not counted: for
+    them it is a lower bound.
+    """
+    if run.counts.size == 0:
+        return 0.0, None
+    flushed = H.fate(run.counts_in("unscaled"), format, 1.0).fraction("flushed")     # (R, H, T)
+    where = np.unravel_index(flushed.argmax(), flushed.shape)
+    return float(flushed[where]), run.tensor_names[int(where[2])]
+
+
+def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
+    """The run's summary as (label, text) pairs: steps, loss, scale, skipped, tensors, fates.
+
+    Parameters
+    ----------
+    run : the run to describe (all ranks).
+    format : the format the fractions refer to (name, dtype or Format).
+
+    Returns
+    -------
+    list of (label, text)
+    """
+    fmt = get_format(format)
+    s = run.summary(fmt.name)
+    ranks = s["ranks"]
+    rows = [("steps", f"{s['steps']} ({s['histogram_steps']} with histograms), "
+                      f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}, device {s['device']}")]
+    if run.n_steps:
+        loss = run.loss[0]
+        rows.append(("loss", f"{loss[0]:.4g} at step {run.steps[0]} -> {loss[-1]:.4g} at step {run.steps[-1]}"))
+    rows.append(("loss scale", f"{format_scale(s['scale_min'])} .. {format_scale(s['scale_max'])}; "
+                               + _scaler_text(s["scaler"])))
+    rows.append(("skipped", _skipped_text(run)))
+    kinds = {k: run.tensor_kinds.count(k) for k in dict.fromkeys(run.tensor_kinds)}
+    domains = run.meta.get("domains", {})
+    rows.append(("tensors", f"{s['tensors']}: " + ", ".join(
+        f"{n} {k} gradients ({domains.get(k, 'unscaled')})" for k, n in kinds.items())))
+    rows.append((f"{fmt.name} at the recorded scale",
+                 f"worst flushed to zero {_worst(s['worst_flushed_fraction'], s['worst_flushed_tensor'])}; "
+                 f"worst overflow {_worst(s['worst_overflow_fraction'], s['worst_overflow_tensor'])}"))
+    frac, name = worst_without_scaling(run, fmt)
+    rows.append((f"{fmt.name} without scaling", f"worst flushed to zero {_worst(frac, name)}"))
+    if "demo" in run.meta:
+        rows.append(("test accuracy", f"{100 * run.meta['demo']['test_accuracy']:.1f}% (ampviz demo)"))
+    return rows
+
+
+def _worst(fraction: float, tensor) -> str:
+    return f"{_percent(fraction)} ({tensor})" if fraction > 0 and tensor else "0%"
+
+
+def _scaler_text(scaler) -> str:
+    if not scaler:
+        return "no GradScaler"
+    return (f"GradScaler(init {format_scale(scaler['init_scale'])}, x{scaler['growth_factor']:g} after "
+            f"{scaler['growth_interval']} clean steps, x{scaler['backoff_factor']:g} on inf/nan)")
+
+
+def _skipped_text(run: Run) -> str:
+    per_rank = run.skipped.sum(axis=1) if run.skipped.size else np.zeros(len(run.ranks), dtype=int)
+    n, total = int(per_rank[0]), run.n_steps
+    text = f"{n} of {total} steps ({_percent(n / total if total else 0.0)})"
+    if n:
+        first = run.steps[np.flatnonzero(run.skipped[0])[:3]].tolist()
+        text += f", first at steps {', '.join(map(str, first))}"
+    if len(run.ranks) > 1:
+        text += "; per rank " + ", ".join(f"rank {r}: {int(k)}" for r, k in zip(run.ranks, per_rank))
+    return text
+
+
+def rows_as_html(rows: list[tuple[str, str]]) -> str:
+    """An HTML table of (label, text) rows, escaped."""
+    body = "".join(f"<tr><th>{html.escape(a)}</th><td>{html.escape(b)}</td></tr>" for a, b in rows)
+    return f'<table class="summary">{body}</table>'
+
+
+# ---------------------------------------------------------------------------- the HTML page
+_CSS = """body{font-family:Inter,Helvetica Neue,Arial,sans-serif;color:#222;max-width:1180px;margin:24px auto;
+padding:0 16px}h1{font-size:24px}h2{font-size:20px;margin-top:40px;border-bottom:1px solid #ddd}
+h3{font-size:16px;margin-top:28px}p.note{color:#555;font-size:13px}table.summary{border-collapse:collapse;
+font-size:14px}table.summary th{text-align:left;padding:3px 16px 3px 0;color:#555;font-weight:normal;
+vertical-align:top}table.summary td{padding:3px 0;font-family:ui-monospace,Menlo,monospace;font-size:13px}
+nav a{margin-right:16px}"""
+
+
+def representative_steps(run: Run, format="fp16", rank: int = 0) -> list[tuple[int, str]]:
+    """Histogram steps worth showing, each with the reason: first, worst underflow, first skipped, last.
+
+    "Worst underflow" is the step whose values (all tensors) lose the largest share to zero in
+    ``format`` at the loss scale the step used; when no step loses any, the step that would lose
+    the most without scaling.
+    """
+    if run.hist_steps.size == 0:
+        return []
+    fmt = get_format(format)
+    picks = [(0, "first step")]
+    for domain, why in (("scaled", "worst underflow"), ("unscaled", "worst underflow without scaling")):
+        flushed = H.fate(run.counts_in(domain)[rank].sum(axis=1), fmt, 1.0).fraction("flushed")    # (H,)
+        if flushed.max() > 0:
+            picks.append((int(flushed.argmax()), f"{why}: {_percent(flushed.max())} flushed"))
+            break
+    skipped = np.flatnonzero(run.skipped[rank][np.searchsorted(run.steps, run.hist_steps)])
+    if skipped.size:
+        picks.append((int(skipped[0]), "first skipped step"))
+    picks.append((run.hist_steps.size - 1, "last step"))
+    seen, out = set(), []
+    for row, why in sorted(picks, key=lambda p: p[0]):
+        if row not in seen:
+            seen.add(row)
+            out.append((int(run.hist_steps[row]), why))
+    return out
+
+
+def report_html(runs, labels=None, format="fp16", title: str = "ampviz report") -> str:
+    """The report page as a string: one section per run, plotly.js inlined once (no network).
+
+    Parameters
+    ----------
+    runs : a Run or a list of Runs (a multi-rank Run gets a per-rank comparison).
+    labels : one heading per run (default "run 1", "run 2", ...).
+    format : the format histograms and fractions are judged against.
+    title : the page title.
+    """
+    from plotly.offline import get_plotlyjs
+    runs = [runs] if isinstance(runs, Run) else list(runs)
+    if not runs or not all(isinstance(r, Run) for r in runs):
+        raise ValueError(f"runs: expected one or more ampviz.Run, got {runs!r:.80}")
+    labels = [f"run {i + 1}" for i in range(len(runs))] if labels is None else [str(x) for x in labels]
+    if len(labels) != len(runs):
+        raise ValueError(f"labels: expected {len(runs)} labels (one per run), got {len(labels)}")
+    fmt = get_format(format)
+    nav = "".join(f'<a href="#run{i}">{html.escape(lab)}</a>' for i, lab in enumerate(labels))
+    body = "".join(_run_section(run, lab, fmt, f"run{i}") for i, (run, lab) in enumerate(zip(runs, labels)))
+    made = time.strftime("%Y-%m-%d %H:%M")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f'<style>{_CSS}</style><script type="text/javascript">{get_plotlyjs()}</script></head><body>'
+            f'<h1>{html.escape(title)}</h1><p class="note">ampviz {__version__}, {made}; fractions against '
+            f'{fmt.name}. Weight gradients are stored unscaled, activation gradients as the backward computed '
+            f'them (scaled).</p>' + (f"<nav>{nav}</nav>" if len(runs) > 1 else "") + body + "</body></html>")
+
+
+def write_report(runs, path, labels=None, format="fp16", title: str = "ampviz report") -> Path:
+    """Write :func:`report_html` to ``path`` atomically (parent directories are created).
+
+    Returns
+    -------
+    Path of the written file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path: {path} is a directory; give the HTML file to write")
+    page = report_html(runs, labels=labels, format=format, title=title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _figure_html(fig, div_id: str) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _run_section(run: Run, label: str, fmt, anchor: str) -> str:
+    from .plots.histogram import histogram_figure
+    from .plots.trace import scale_trace_figure
+    from .trace import trace_from_run
+    parts = [f'<h2 id="{anchor}">{html.escape(label)}</h2>', rows_as_html(summary_rows(run, fmt))]
+    if run.n_steps:
+        ceiling = trace_from_run(run, fmt) if run.hist_steps.size and run.meta.get("scaler") else None
+        parts.append(_figure_html(scale_trace_figure(run.steps, run.loss_scale[0], run.skipped[0], run.grown[0],
+                                                     trace=ceiling, format=fmt), f"{anchor}-scale"))
+    steps = representative_steps(run, fmt)
+    if steps:
+        parts.append(f"<h3>Gradient magnitudes against {fmt.name}</h3><p class=\"note\">All tensors of rank "
+                     f"{run.ranks[0]}, unscaled; the shading shows where each value lands at the loss scale "
+                     "that step used.</p>")
+    log2s = np.rint(run.scale_log2_at_hist()[0]).astype(int) if run.hist_steps.size else []
+    unscaled = run.counts_in("unscaled")[0] if steps else None
+    for step, why in steps:
+        h = run.hist_index(step)
+        fig = histogram_figure(unscaled[h], fmt, int(log2s[h]), title=f"Step {step} ({why})")
+        parts.append(_figure_html(fig, f"{anchor}-hist-{step}"))
+    return "".join(parts)

@@ -1,0 +1,150 @@
+"""ampviz's widgets in a real JupyterLab in headless Chromium: they render, and sliders move plots.
+
+Opens ``widgets.ipynb`` (which displays each widget in a container tagged with the CSS class
+``ampviz-test-<Name>``), runs all cells, waits for the plotly graphs, then for each widget
+focuses its first slider's handle and presses End / Home / ArrowLeft: the slider's readout and
+the plotly figure in the page (data, title, annotations or shapes, read from the
+``.js-plotly-plot`` elements) must change. A widget without a slider (DtypeExplorer) gets a click
+on its last toggle button (a bit) instead. Screenshots go to pytest's tmp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+NOTEBOOK = "widgets.ipynb"
+WIDGETS = ["DtypeExplorer", "ScaleExplorer"]
+DONE_TEXT = "all widgets displayed"
+
+# A fingerprint of every plotly graph inside a container: per trace, length, sum and
+# index-weighted sum of its numeric arrays (typed arrays included), plus titles, annotation
+# texts and shape positions. Two fingerprints differ when the figure visibly changed.
+FINGERPRINT = """(container) => {
+  const num = (v, acc) => {
+    if (v == null) return acc;
+    if (typeof v === 'number') { if (isFinite(v)) { acc.n++; acc.s += v; acc.w += v * acc.n; } return acc; }
+    if (typeof v === 'string') { acc.n++; acc.w += v.length * acc.n; return acc; }
+    if (Array.isArray(v) || ArrayBuffer.isView(v)) { for (const x of v) num(x, acc); }
+    return acc;
+  };
+  const round = (x) => Number(x.toPrecision(10));
+  return Array.from(container.querySelectorAll('.js-plotly-plot')).map((gd) => ({
+    traces: (gd.data || []).map((t) => ['x', 'y', 'z', 'text', 'base', 'width'].map((k) => {
+      const a = num(t[k], {n: 0, s: 0, w: 0}); return [k, a.n, round(a.s), round(a.w)]; })),
+    title: (gd.layout && gd.layout.title && gd.layout.title.text) || null,
+    annotations: ((gd.layout && gd.layout.annotations) || []).map((a) => a.text),
+    shapes: ((gd.layout && gd.layout.shapes) || []).map((s) => [s.x0, s.x1, s.y0, s.y1].map(String).join()),
+  }));
+}"""
+
+
+def _wait_for_kernel_idle(page) -> None:
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=90_000)
+
+
+def _run_all(page, attempts: int = 6) -> None:
+    """Run > Run All Cells; a click while the kernel websocket still connects can be dropped,
+    so check that execution started (a prompt shows [*] or [n]) and retry if not."""
+    page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").first.click()   # focus the notebook
+    started = ("() => Array.from(document.querySelectorAll('.jp-NotebookPanel .jp-InputPrompt'))"
+               ".some((e) => /\\[(\\*|\\d+)\\]/.test(e.textContent))")
+    for _ in range(attempts):
+        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+        page.locator(".lm-Menu-item:has(.lm-Menu-itemLabel:text-is('Run All Cells'))").first.click()
+        try:
+            page.wait_for_function(started, timeout=5_000)
+            return
+        except Exception:          # playwright's TimeoutError: close the menu and try again
+            page.keyboard.press("Escape")
+    raise AssertionError(f"Run All Cells did not start execution after {attempts} attempts")
+
+
+def _wait_for_all_cells(page) -> None:
+    """Wait for the last cell's marker text; fail early, with the traceback, if a cell raised."""
+    done_or_error = ("(done) => Array.from(document.querySelectorAll('.jp-OutputArea-output')).some((e) =>"
+                     " e.textContent.includes(done) || (e.dataset.mimeType === 'application/vnd.jupyter.stderr'"
+                     " && /Traceback|\\w+Error\\b/.test(e.textContent)))")
+    page.wait_for_function(done_or_error, arg=DONE_TEXT, timeout=180_000)
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    tracebacks = [t for t in errors.all_inner_texts() if re.search(r"Traceback|\w+Error\b", t)]
+    assert not tracebacks, "a notebook cell raised:\n" + "\n".join(tracebacks)[-3000:]
+
+
+def _move_first_slider(page, container, shots, name: str) -> None:
+    """End (or Home, if already at the end), then ArrowLeft: readout and figure change each time."""
+    slider = container.locator(".widget-slider").first
+    handle, readout = slider.locator(".noUi-handle").first, slider.locator(".widget-readout").first
+    for keys in (["End"], ["ArrowLeft"]):
+        text, figure = readout.inner_text(), container.evaluate(FINGERPRINT)
+        handle.focus()
+        for key in keys:
+            page.keyboard.press(key)
+        if keys == ["End"] and readout.inner_text() == text:
+            page.keyboard.press("Home")                  # the slider started at its maximum
+        page.wait_for_function("([el, before]) => el.textContent.trim() !== before",
+                               arg=[readout.element_handle(), text.strip()], timeout=10_000)
+        page.wait_for_function(f"([el, before]) => JSON.stringify(({FINGERPRINT})(el)) !== before",
+                               arg=[container.element_handle(), _json(figure)], timeout=30_000)
+        container.screenshot(path=str(shots / f"{name}_after_{keys[0]}.png"))
+
+
+def _click_a_toggle(page, container, shots, name: str) -> None:
+    """For widgets without a slider: clicking the last toggle button (a bit) changes the figure."""
+    figure = container.evaluate(FINGERPRINT)
+    container.locator(".widget-toggle-button").last.click()
+    page.wait_for_function(f"([el, before]) => JSON.stringify(({FINGERPRINT})(el)) !== before",
+                           arg=[container.element_handle(), _json(figure)], timeout=30_000)
+    container.screenshot(path=str(shots / f"{name}_after_click.png"))
+
+
+def _json(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+class _Clock:
+    """Prints elapsed seconds per phase (shown by pytest when the test fails, or with -s)."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.1f} s] {what}", flush=True)
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_widgets_render_and_sliders_update_plots(lab, page, tmp_path):
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    clock = _Clock()
+    page.goto(lab.lab_url(NOTEBOOK), wait_until="domcontentloaded")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+    _wait_for_kernel_idle(page)
+    clock("notebook open, kernel idle")
+    _run_all(page)
+    clock("execution started")
+    try:
+        _wait_for_all_cells(page)
+        clock("all cells ran")
+        for name in WIDGETS:
+            container = page.locator(f".ampviz-test-{name}").first
+            container.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=90_000)
+            container.scroll_into_view_if_needed()
+            container.screenshot(path=str(shots / f"{name}_before.png"))
+            assert container.evaluate(FINGERPRINT), f"{name}: no plotly graph in the page"
+            if container.locator(".widget-slider .noUi-handle").count():
+                _move_first_slider(page, container, shots, name)
+                clock(f"{name}: rendered; its slider changed the figure")
+            else:
+                assert container.locator(".widget-toggle-button").count(), f"{name}: no slider, no toggle"
+                _click_a_toggle(page, container, shots, name)
+                clock(f"{name}: rendered; a toggle changed the figure")
+    finally:
+        page.screenshot(path=str(shots / "page.png"), full_page=True)
+        print(f"screenshots in {shots}")
+    assert not page.errors, f"errors in the page: {page.errors[:5]}"

@@ -1,0 +1,263 @@
+"""The ``ampviz`` command: info against Run.summary, report contents, a real demo run, error paths."""
+
+import base64
+import dataclasses
+import html
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ampviz
+from ampviz import histogram as H
+from ampviz.cli import main
+from ampviz.demo import DEMO_SETTINGS, train_demo
+from ampviz.report import format_scale, representative_steps, summary_rows
+from ampviz.scaler import TorchPolicy, replay
+
+DEMO_STEPS = 150      # the demo's scale reaches 2**21 by step ~100 and starts backing off
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    """``ampviz demo`` run once for the module: its output directory."""
+    out = tmp_path_factory.mktemp("demo")
+    assert main(["demo", "-o", str(out), "--steps", str(DEMO_STEPS), "--device", "cpu", "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_path(demo_dir):
+    return demo_dir / "run.npz"
+
+
+@pytest.fixture(scope="module")
+def ranks_dir(run_path, tmp_path_factory):
+    """A two-rank run directory: rank 1 is rank 0 with one extra skipped step."""
+    run = ampviz.Run.load(run_path)
+    skipped = run.skipped.copy()
+    skipped[0, 5] = True
+    other = dataclasses.replace(run, skipped=skipped, meta=dict(run.meta, ranks=[1], world_size=2))
+    merged = ampviz.Run.merge([dataclasses.replace(run, meta=dict(run.meta, world_size=2)), other])
+    out = tmp_path_factory.mktemp("ranks")
+    merged.save(out)
+    return out
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ampviz: error:"), captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- demo
+def test_demo_writes_a_run_whose_skipped_steps_match_its_scale_trace_and_gradients(demo_dir, capsys):
+    run = ampviz.Run.load(demo_dir / "run.npz")
+    assert run.n_steps == DEMO_STEPS and run.hist_steps.size == DEMO_STEPS
+    skipped = run.skipped[0]
+    assert skipped.sum() >= 1, "the demo promises real overflow: the scale should back off at least once"
+    # skipped <=> the scale went down
+    np.testing.assert_array_equal(skipped, run.next_scale[0] < run.loss_scale[0])
+    # a real GradScaler driven by the same overflow sequence gives the same scale trace
+    policy = TorchPolicy(init_scale=DEMO_SETTINGS["init_scale"], growth_interval=DEMO_SETTINGS["growth_interval"])
+    np.testing.assert_array_equal(replay(policy, skipped).scale, run.loss_scale[0])
+    # skipped <=> the recorded (unscaled) weight gradients of that step hold inf/nan
+    weights = [i for i, k in enumerate(run.tensor_kinds) if k == "weight"]
+    counts = run.counts[0][:, weights]                                            # (H, T, NBINS)
+    nonfinite = (counts[..., H.ABOVE] + counts[..., H.NAN]).sum(axis=1) > 0
+    np.testing.assert_array_equal(nonfinite, skipped)
+    assert (demo_dir / "report.html").stat().st_size > 1_000_000       # plotly.js inlined
+
+
+def test_demo_function_validates_its_arguments():
+    with pytest.raises(ValueError, match="steps: expected an integer >= 1, got 0"):
+        train_demo(steps=0)
+    with pytest.raises(ValueError, match="device: expected 'auto', 'cpu' or 'cuda', got 'tpu'"):
+        train_demo(steps=1, device="tpu")
+
+
+def test_demo_is_reproducible_for_a_seed():
+    a, b = (train_demo(steps=5, device="cpu", seed=3, progress=False) for _ in range(2))
+    np.testing.assert_array_equal(a.counts, b.counts)
+    np.testing.assert_array_equal(a.loss, b.loss)
+
+
+# ---------------------------------------------------------------------------- info
+def test_info_prints_the_numbers_of_run_summary(run_path, capsys):
+    assert main(["info", str(run_path)]) == 0
+    out = capsys.readouterr().out
+    s = ampviz.Run.load(run_path).summary("fp16")
+    assert out.splitlines()[0] == str(run_path)
+    assert re.search(rf"steps\s+{s['steps']} \({s['histogram_steps']} with histograms\), 1 rank", out)
+    assert re.search(rf"skipped\s+{s['skipped']} of {s['steps']} steps", out)
+    assert f"{format_scale(s['scale_min'])} .. {format_scale(s['scale_max'])}" in out
+    assert format_scale(s["scale_min"]) == "2^16" and s["scale_max"] > s["scale_min"]
+    assert re.search(rf"tensors\s+{s['tensors']}: 14 weight gradients \(unscaled\), 7 activation", out)
+    assert s["worst_overflow_fraction"] > 0
+    assert f"worst overflow {100 * s['worst_overflow_fraction']:.3g}% ({s['worst_overflow_tensor']})" in out
+
+
+def test_info_json_is_run_summary(run_path, capsys):
+    assert main(["info", str(run_path), "--json", "--format", "bf16"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(ampviz.Run.load(run_path).summary("bf16")))
+
+
+def test_info_on_a_directory_of_ranks_shows_per_rank_skips(ranks_dir, run_path, capsys):
+    assert main(["info", str(ranks_dir)]) == 0
+    out = capsys.readouterr().out
+    n = int(ampviz.Run.load(run_path).skipped.sum())
+    assert "2 ranks" in out
+    assert f"per rank rank 0: {n}, rank 1: {n + 1}" in out
+
+
+def test_python_dash_m_ampviz_runs_info(run_path):
+    done = subprocess.run([sys.executable, "-m", "ampviz", "info", str(run_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == str(run_path) and "loss scale" in done.stdout
+
+
+# ---------------------------------------------------------------------------- report
+def plotly_figures(page: str) -> dict:
+    """{div id: (data, layout)} of every ``Plotly.newPlot`` call in a report page."""
+    figures, decoder = {}, json.JSONDecoder()
+    for m in re.finditer(r'Plotly\.newPlot\(\s*"([^"]+)",\s*', page):
+        data, end = decoder.raw_decode(page, m.end())
+        layout, _ = decoder.raw_decode(page, re.compile(r",\s*").match(page, end).end())
+        figures[m.group(1)] = (data, layout)
+    return figures
+
+
+def array(value) -> np.ndarray:
+    """A plotly JSON array: a list, or a typed array ``{"dtype": ..., "bdata": base64}``."""
+    if isinstance(value, dict):
+        return np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+    return np.asarray(value, dtype=float)
+
+
+def test_report_is_self_contained_and_holds_the_runs_data(run_path, tmp_path, capsys):
+    out = tmp_path / "sub" / "report.html"
+    assert main(["report", str(run_path), "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    page = out.read_text()
+    from plotly.offline import get_plotlyjs
+    assert get_plotlyjs()[:2000] in page                                  # plotly.js inline
+    assert not re.search(r"<script[^>]+src=", page), "a script is loaded from elsewhere"
+    assert not re.search(r"<(link|img|iframe)[^>]+(href|src)=[\"']?https?:", page)
+    run = ampviz.Run.load(run_path)
+    figures = plotly_figures(page)
+    data, _ = figures["run0-scale"]
+    recorded = next(t for t in data if t["name"] == "recorded")
+    np.testing.assert_array_equal(array(recorded["y"]), np.log2(run.loss_scale[0]))
+    skipped = next(t for t in data if t["name"].startswith("recorded: ") and "skipped" in t["name"])
+    np.testing.assert_array_equal(array(skipped["x"]), run.steps[run.skipped[0]])
+    last = int(run.hist_steps[-1])
+    data, layout = figures[f"run0-hist-{last}"]
+    bars = next(t for t in data if t["name"] == "binades")
+    expected = run.counts_in("unscaled")[0, -1].sum(axis=0)[H.BELOW:H.ABOVE]
+    np.testing.assert_array_equal(array(bars["y"]), expected)
+    assert f"Step {last} (last step)" in layout["title"]["text"]
+    first_skip = int(run.steps[run.skipped[0]][0])
+    assert f"run0-hist-{first_skip}" in figures and "Step 0 (first step)" in page
+    for label, text in summary_rows(run):
+        assert f"<th>{html.escape(label)}</th><td>{html.escape(text)}</td>" in page
+
+
+def test_report_of_several_runs_has_a_section_each(run_path, ranks_dir, tmp_path):
+    out = tmp_path / "two.html"
+    done = subprocess.run([sys.executable, "-m", "ampviz", "report", str(run_path), str(ranks_dir), "-o", str(out),
+                           "--title", "two runs"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    page = out.read_text()
+    figures = plotly_figures(page)
+    assert "run0-scale" in figures and "run1-scale" in figures
+    assert f'<a href="#run1">{ranks_dir}</a>' in page and "<title>two runs</title>" in page
+    assert "2 ranks" in page and "1 rank," in page
+
+
+def fp16_flushed_fraction(counts) -> np.ndarray:
+    """Oracle: share of non-zero, non-nan values of (..., NBINS) counts that an fp16 cast sends to 0,
+    i.e. those in columns whose upper edge is <= 2**-25 (half the smallest subnormal, a tie to 0)."""
+    flush = (H.upper_edges() <= 2.0 ** -25) & (np.arange(H.NBINS) != H.ZERO)
+    return counts[..., flush].sum(-1) / counts[..., H.ZERO + 1:H.NAN].sum(-1)
+
+
+def test_representative_steps_are_first_worst_skipped_last(run_path):
+    run = ampviz.Run.load(run_path)
+    picks = dict(representative_steps(run))
+    assert picks[0] == "first step" and picks[int(run.hist_steps[-1])] == "last step"
+    assert picks[int(run.steps[run.skipped[0]][0])] == "first skipped step"
+    # at the scales it used, the demo loses nothing to fp16 underflow beyond what the fp16 backward
+    # already zeroed; without scaling it would: the report shows the step that would lose most
+    assert fp16_flushed_fraction(run.counts_in("scaled")[0].sum(axis=1)).max() == 0
+    unscaled = fp16_flushed_fraction(run.counts_in("unscaled")[0].sum(axis=1))     # (H,)
+    worst = int(run.hist_steps[unscaled.argmax()])
+    assert picks[worst] == f"worst underflow without scaling: {100 * unscaled.max():.3g}% flushed"
+    assert len(picks) == 4
+
+
+# ---------------------------------------------------------------------------- errors
+def _bad_files(tmp_path):
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, weights=np.zeros(3))
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    return {"missing": (tmp_path / "nope.npz", "no such file"), "garbage": (garbage, "not a readable"),
+            "foreign": (foreign, "not an ampviz run"), "empty": (empty, "holds no .npz")}
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "foreign", "empty"])
+@pytest.mark.parametrize("command", ["info", "report"])
+def test_bad_run_paths_give_one_line_errors(case, command, tmp_path, capsys):
+    path, message = _bad_files(tmp_path)[case]
+    extra = ["-o", str(tmp_path / "r.html")] if command == "report" else []
+    assert main([command, str(path), *extra]) == 1
+    line = one_error_line(capsys)
+    assert str(path) in line and message in line
+    assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "required: {info,report,demo}"),
+    (["info"], "required: RUN"),
+    (["info", "x.npz", "--format", "fp99"], "invalid choice: 'fp99'"),
+    (["report", "x.npz"], "required: -o/--output"),
+    (["demo", "-o", "d", "--steps", "0"], "--steps: expected an integer >= 1, got '0'"),
+    (["demo", "-o", "d", "--steps", "ten"], "--steps: expected an integer >= 1, got 'ten'"),
+    (["demo", "-o", "d", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_arguments_give_one_line_usage_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in one_error_line(capsys)
+
+
+def test_output_paths_that_cannot_be_written(run_path, tmp_path, capsys):
+    assert main(["report", str(run_path), "-o", str(tmp_path)]) == 1
+    assert "is a directory" in one_error_line(capsys)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert main(["demo", "-o", str(a_file), "--steps", "1"]) == 1
+    assert "exists and is not a directory" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error without a GPU")
+def test_demo_on_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
+    assert main(["demo", "-o", str(tmp_path / "d"), "--device", "cuda", "--steps", "1"]) == 1
+    assert "no CUDA device" in one_error_line(capsys)
+    assert not (tmp_path / "d").exists()
+
+
+def test_errors_through_python_dash_m_have_no_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ampviz", "info", str(tmp_path / "missing.npz")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"ampviz: error: {tmp_path / 'missing.npz'}: no such file or directory"]
