@@ -8,7 +8,7 @@ import torch
 
 from ampviz import formats as F
 from ampviz import histogram as H
-from ampviz.plots import bits_figure, histogram_figure, region_edges
+from ampviz.plots import bits_figure, histogram_figure, region_edges, scale_trace_figure
 from ampviz.plots._style import log2_ticks, percent
 from ampviz.plots.histogram import binade_positions
 
@@ -147,3 +147,48 @@ def test_bits_figure_from_raw_fields_reaches_any_nan_and_checks_ranges():
     assert "nan" in named(fig.layout.annotations, "result").text
     with pytest.raises(ValueError, match=r"mantissa: expected an integer in \[0, 1023\]"):
         bits_figure(fields=(0, 1, 1024), format="fp16")
+
+
+# ---------------------------------------------------------------------------- loss-scale trace
+def test_scale_trace_marks_skips_and_growths_at_their_steps():
+    from ampviz.plots.trace import TRACES
+    from ampviz.scaler import TorchPolicy, replay
+    steps = np.arange(10)
+    scale = np.exp2([16, 15, 15, 16, 16, 15, 15, 15, 16, 16])
+    skipped = np.array([1, 0, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+    grown = np.array([0, 0, 1, 0, 0, 0, 0, 1, 0, 0], bool)
+    trace = np.array([2.0, 1e-3, 1e-3, 1e-3, 1.0, 1e-3, 1e-3, 1e-3, 1e-3, np.inf])
+    r = replay(TorchPolicy(init_scale=2.0 ** 14, growth_interval=3), trace)
+    fig = scale_trace_figure(steps, scale, skipped, grown, replay=r, trace=trace)
+    rec = fig.data[TRACES["recorded"]]
+    np.testing.assert_array_equal(rec.y, np.log2(scale))
+    assert rec.line.shape == "hv"                                  # the scale holds until the next step
+    sk = fig.data[TRACES["recorded skipped"]]
+    assert list(sk.x) == [0, 4] and list(sk.y) == [16, 16] and sk.name == "recorded: 2 skipped"
+    assert list(fig.data[TRACES["recorded grown"]].x) == [2, 7]
+    rep = fig.data[TRACES["replay"]]
+    np.testing.assert_array_equal(rep.y, np.log2(r.scale))
+    assert list(fig.data[TRACES["replay skipped"]].x) == list(np.nonzero(r.skipped)[0])
+    assert fig.data[TRACES["replay skipped"]].name == f"replay: {r.n_skipped} skipped"
+    ceiling = np.asarray(fig.data[TRACES["ceiling"]].y, dtype=float)
+    np.testing.assert_allclose(ceiling[:9], np.log2(65520.0 / trace[:9]))
+    assert np.isnan(ceiling[9])                                   # inf gradient: no scale avoids it
+    assert fig.layout.yaxis.title.text == "loss scale (log2)" and fig.layout.xaxis.title.text == "optimizer step"
+    lo, hi = fig.layout.yaxis.range
+    assert lo <= np.log2(r.scale).min() and hi >= ceiling[:9].max()
+
+
+def test_scale_trace_shows_where_a_deepspeed_replay_stops():
+    from ampviz.plots.trace import TRACES
+    from ampviz.scaler import DeepSpeedPolicy, replay
+    r = replay(DeepSpeedPolicy(init_scale=4.0, min_scale=1.0, hysteresis=1), [np.inf] * 8)
+    assert r.crashed_at == 2
+    fig = scale_trace_figure(np.arange(8), np.full(8, 4.0), replay=r)
+    assert len(fig.data[TRACES["replay"]].x) == 3 and "stops at step 2" in fig.data[TRACES["replay"]].name
+    stop = fig.layout.shapes[0]
+    assert stop.visible and stop.x0 == 2
+
+
+def test_scale_trace_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match=r"skipped: expected length 3 \(one value per step\), got shape \(2,\)"):
+        scale_trace_figure([0, 1, 2], [1.0, 2.0, 4.0], skipped=[True, False])

@@ -13,7 +13,7 @@ from ampviz import histogram as H
 from ampviz.plots._style import percent
 from ampviz.plots.histogram import region_edges
 from ampviz.run import Run
-from ampviz.widgets import DtypeExplorer, ScaleExplorer
+from ampviz.widgets import DtypeExplorer, ScaleExplorer, ScalerPlayground
 
 
 def make_run(steps=8, log2_scales=(16, 16, 15, 15, 15, 15, 16, 16), seed=0):
@@ -197,3 +197,77 @@ def test_scale_explorer_run_selection_errors():
         ScaleExplorer(run, tensor="nope")
     with pytest.raises(ValueError, match="kind: expected one of"):
         ScaleExplorer(run, kind="bias")
+
+
+# ---------------------------------------------------------------------------- ScalerPlayground
+def overflow_trace(n=300, seed=0):
+    """Per-step maxima whose ceiling wanders between 2**19 and 2**23, with two forward overflows."""
+    t = np.exp2(np.random.default_rng(seed).uniform(-7, -3, n))
+    t[[40, 41]] = np.inf
+    return t
+
+
+def test_playground_replays_the_policy_the_controls_describe():
+    from ampviz.plots.trace import TRACES
+    from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
+    trace = overflow_trace()
+    w = ScalerPlayground(trace)
+    assert w.replay.scale.tolist() == replay(TorchPolicy(), trace).scale.tolist()
+    w.init_slider.value, w.interval_slider.value = 20, 10
+    expected = replay(TorchPolicy(2.0 ** 20, growth_interval=10), trace)
+    np.testing.assert_array_equal(w.replay.scale, expected.scale)
+    np.testing.assert_array_equal(w.figure.data[TRACES["replay"]].y, np.log2(expected.scale))
+    assert list(w.figure.data[TRACES["replay skipped"]].x) == list(np.nonzero(expected.skipped)[0])
+    assert w.figure.data[TRACES["replay skipped"]].name == f"replay: {expected.n_skipped} skipped"
+    assert f"<b>{expected.n_skipped}</b> of 300 steps skipped" in w.readout.value
+    w.policy_dropdown.value = "deepspeed"
+    w.hysteresis_slider.value = 3
+    ds = replay(DeepSpeedPolicy(2.0 ** 20, scale_factor=2.0, scale_window=10, hysteresis=3), trace)
+    np.testing.assert_array_equal(w.replay.scale, ds.scale)
+    assert w.backoff_slider.disabled and not w.hysteresis_slider.disabled
+    w.policy_dropdown.value = "megatron"
+    w.backoff_slider.value = 0.25
+    mg = replay(MegatronPolicy(2.0 ** 20, growth_factor=2.0, backoff_factor=0.25, growth_interval=10, hysteresis=3),
+                trace)
+    np.testing.assert_array_equal(w.replay.scale, mg.scale)
+    w.policy_dropdown.value = "static"
+    assert w.replay.scale.tolist() == replay(StaticPolicy(2.0 ** 20), trace).scale.tolist()
+    assert all(c.disabled for c in (w.growth_slider, w.backoff_slider, w.interval_slider, w.hysteresis_slider))
+
+
+def test_playground_reports_where_deepspeed_stops():
+    w = ScalerPlayground(overflow_trace(), policy="deepspeed")
+    w.init_slider.value = 0                              # init_scale 1 = DeepSpeed's default min_scale
+    assert w.replay.crashed_at == 41                     # hysteresis 2: the second overflow at the minimum ends it
+    assert "DeepSpeed stops" in w.readout.value and "step 41" in w.readout.value
+
+
+def test_playground_over_a_run_draws_the_recorded_trace():
+    from ampviz.plots.trace import TRACES
+    run = make_run()
+    w = ScalerPlayground(run)
+    np.testing.assert_array_equal(w.figure.data[TRACES["recorded"]].y, np.log2(run.loss_scale[0]))
+    assert w.recorded_skipped == int(run.skipped.sum())
+    assert f"{w.recorded_skipped} of {run.n_steps} steps skipped" in w.readout.value
+
+
+def test_playground_starts_from_the_runs_gradscaler_and_reproduces_it():
+    from test_trace import record_fp16_run
+    run = record_fp16_run(steps=40)
+    w = ScalerPlayground(run)
+    sc = run.meta["scaler"]
+    assert 2.0 ** w.init_slider.value == sc["init_scale"] and w.interval_slider.value == sc["growth_interval"]
+    np.testing.assert_array_equal(w.replay.scale, run.loss_scale[0])
+    assert w.replay.n_skipped == w.recorded_skipped > 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(source=np.zeros((2, 3))), "source: expected an ampviz.Run or a non-empty 1-D trace"),
+    (dict(policy="apex"), "policy: expected one of"),
+    (dict(format="fp8_e4m3fn"), "format: fp8_e4m3fn has no inf"),
+    (dict(rank=1), "rank, tensors: only apply when the source is an ampviz.Run"),
+])
+def test_playground_rejects_bad_arguments(kwargs, match):
+    args = dict(source=overflow_trace()) | kwargs
+    with pytest.raises(ValueError, match=match):
+        ScalerPlayground(args.pop("source"), **args)

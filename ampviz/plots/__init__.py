@@ -6,5 +6,6 @@
 
 from .bits import bits_figure
 from .histogram import histogram_figure, region_edges
+from .trace import scale_trace_figure
 
-__all__ = ["histogram_figure", "region_edges", "bits_figure"]
+__all__ = ["histogram_figure", "region_edges", "bits_figure", "scale_trace_figure"]

@@ -5,6 +5,7 @@
 """
 
 from .dtype import DtypeExplorer
+from .playground import ScalerPlayground
 from .scale import ScaleExplorer
 
-__all__ = ["DtypeExplorer", "ScaleExplorer"]
+__all__ = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground"]
