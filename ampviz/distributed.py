@@ -196,6 +196,10 @@ class Workers:
                 p.kill()
                 p.join()
 
+    def __repr__(self) -> str:
+        alive = sum(p.is_alive() for p in self._procs)
+        return f"Workers({self.nprocs} ranks, {'closed' if self.closed else 'running'}, {alive} processes alive)"
+
     def __enter__(self) -> Workers:
         return self
 

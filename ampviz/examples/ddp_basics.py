@@ -96,20 +96,22 @@ def rank0_evaluation(path: str, use_barrier: bool, eval_seconds: float = 1.0) ->
     """Train a step, let rank 0 evaluate and save a checkpoint, then look for the file on every rank.
 
     The evaluation is real, followed by ``eval_seconds`` of sleep that stands in for a long one.
-    Returns whether this rank saw the checkpoint, how long it waited (in the barrier, or in the next
-    step's all-reduce), and a checksum of its parameters after one more step.
+    Returns whether this rank saw the checkpoint, how long it evaluated (rank 0) and waited (in the
+    barrier, or in the next step's all-reduce), and a checksum of its parameters after one more step.
     """
     env = init_from_env(timeout=60)
     x, y = _shard(env.rank, env.world_size)
     ddp = DDP(small_model(0))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     _train_steps(ddp, opt, x, y, 1)
+    start = time.perf_counter()
     if env.rank == 0:
         d = digits(seed=0)
         with torch.no_grad():
             accuracy = float((ddp.module(d.x_test).argmax(1) == d.y_test).float().mean())
         time.sleep(eval_seconds)
         torch.save({"model": ddp.module.state_dict(), "accuracy": accuracy}, path)
+    evaluate_seconds = time.perf_counter() - start
     start = time.perf_counter()
     if use_barrier:
         dist.barrier()                                        # nobody passes until rank 0 arrives
@@ -118,7 +120,8 @@ def rank0_evaluation(path: str, use_barrier: bool, eval_seconds: float = 1.0) ->
     start = time.perf_counter()
     _train_steps(ddp, opt, x, y, 1)                           # its all-reduce waits for every rank
     step_seconds = time.perf_counter() - start
-    return {"rank": env.rank, "found_checkpoint": found, "barrier_seconds": waited_barrier,
+    return {"rank": env.rank, "found_checkpoint": found, "evaluate_seconds": evaluate_seconds,
+            "barrier_seconds": waited_barrier,
             "next_step_seconds": step_seconds, "checksum": _checksum(ddp.module)}
 
 
