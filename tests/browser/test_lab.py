@@ -15,9 +15,10 @@ import re
 import time
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 NOTEBOOK = "widgets.ipynb"
-WIDGETS = ["DtypeExplorer", "ScaleExplorer"]
+WIDGETS = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground"]
 DONE_TEXT = "all widgets displayed"
 
 # A fingerprint of every plotly graph inside a container: per trace, length, sum and
@@ -47,7 +48,7 @@ def _wait_for_kernel_idle(page) -> None:
                            timeout=90_000)
 
 
-def _run_all(page, attempts: int = 6) -> None:
+def _click_run_all(page, attempts: int = 6) -> None:
     """Run > Run All Cells; a click while the kernel websocket still connects can be dropped,
     so check that execution started (a prompt shows [*] or [n]) and retry if not."""
     page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").first.click()   # focus the notebook
@@ -59,20 +60,42 @@ def _run_all(page, attempts: int = 6) -> None:
         try:
             page.wait_for_function(started, timeout=5_000)
             return
-        except Exception:          # playwright's TimeoutError: close the menu and try again
+        except PlaywrightTimeout:
             page.keyboard.press("Escape")
     raise AssertionError(f"Run All Cells did not start execution after {attempts} attempts")
 
 
-def _wait_for_all_cells(page) -> None:
-    """Wait for the last cell's marker text; fail early, with the traceback, if a cell raised."""
-    done_or_error = ("(done) => Array.from(document.querySelectorAll('.jp-OutputArea-output')).some((e) =>"
-                     " e.textContent.includes(done) || (e.dataset.mimeType === 'application/vnd.jupyter.stderr'"
-                     " && /Traceback|\\w+Error\\b/.test(e.textContent)))")
-    page.wait_for_function(done_or_error, arg=DONE_TEXT, timeout=180_000)
+# "done" once the last cell printed its marker, "error" if a cell raised, "stalled" when the kernel
+# has been idle with nothing queued for 5 s but the marker is missing: JupyterLab may replace the
+# kernel it auto-started while the first cells run, dropping the queued ones.
+_OUTCOME = """(done) => {
+  const outputs = Array.from(document.querySelectorAll('.jp-OutputArea-output'));
+  if (outputs.some((e) => e.textContent.includes(done))) return 'done';
+  if (outputs.some((e) => e.dataset.mimeType === 'application/vnd.jupyter.stderr'
+                          && /Traceback|\\w+Error\\b/.test(e.textContent))) return 'error';
+  const queued = Array.from(document.querySelectorAll('.jp-NotebookPanel .jp-InputPrompt'))
+                      .some((e) => e.textContent.includes('*'));
+  const idle = document.querySelector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']");
+  if (queued || !idle) { window.__ampvizIdleSince = null; return false; }
+  window.__ampvizIdleSince = window.__ampvizIdleSince || Date.now();
+  return Date.now() - window.__ampvizIdleSince > 5000 ? 'stalled' : false;
+}"""
+
+
+def _run_all_cells(page, clock, attempts: int = 3) -> None:
+    """Run All until the last cell's marker shows; fail with the traceback if a cell raised."""
+    for attempt in range(attempts):
+        _click_run_all(page)
+        clock(f"execution started (attempt {attempt + 1})")
+        outcome = page.wait_for_function(_OUTCOME, arg=DONE_TEXT, timeout=240_000, polling=500).json_value()
+        if outcome != "stalled":
+            break
+        page.evaluate("() => { window.__ampvizIdleSince = null; }")
+        clock("execution stalled (kernel idle, cells not run): Run All again")
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     tracebacks = [t for t in errors.all_inner_texts() if re.search(r"Traceback|\w+Error\b", t)]
     assert not tracebacks, "a notebook cell raised:\n" + "\n".join(tracebacks)[-3000:]
+    assert outcome == "done", f"the notebook did not finish after {attempts} Run All attempts"
 
 
 def _move_first_slider(page, container, shots, name: str) -> None:
@@ -126,10 +149,8 @@ def test_widgets_render_and_sliders_update_plots(lab, page, tmp_path):
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
     _wait_for_kernel_idle(page)
     clock("notebook open, kernel idle")
-    _run_all(page)
-    clock("execution started")
     try:
-        _wait_for_all_cells(page)
+        _run_all_cells(page, clock)
         clock("all cells ran")
         for name in WIDGETS:
             container = page.locator(f".ampviz-test-{name}").first
