@@ -26,7 +26,7 @@ FORMAT_COLORS = {"fp32": OKABE_ITO["blue"], "tf32": OKABE_ITO["sky_blue"], "bf16
                  "fp16": OKABE_ITO["vermillion"], "fp8_e4m3fn": OKABE_ITO["reddish_purple"],
                  "fp8_e5m2": OKABE_ITO["orange"]}
 
-_OFFSETS = ((-70, -45), (70, 45), (-30, -85), (80, 80))   # annotation arrows, cycled so labels do not collide
+_OFFSETS = ((-70, -45), (70, 45), (-110, -15), (80, 80))   # annotation arrows, cycled so labels do not collide
 
 
 def _color(f) -> str:
@@ -95,7 +95,7 @@ def spacing_figure(formats=("fp32", "bf16", "fp16"), lo: int = -26, hi: int = 18
                         hovertemplate=f"{f.name}: x = {value:g}, ulp = {ulp:g}<extra></extra>")
         fig.add_annotation(x=lx, y=ly, text=f"{f.name}: ulp({_short(value)}) = {_short(ulp)}",
                            ax=_OFFSETS[i % len(_OFFSETS)][0], ay=_OFFSETS[i % len(_OFFSETS)][1],
-                           font=dict(size=12, color=_color(f)), arrowcolor=_color(f), bgcolor="white")
+                           font=dict(size=12, color=_color(f)), arrowcolor=_color(f), bgcolor="rgba(255,255,255,0.75)")
     xt, xl = log2_ticks(lo, hi, max_ticks=12)
     ylo, yhi = (math.floor(min(y_all)), math.ceil(max(y_all))) if y_all else (lo, hi)
     yt, yl = log2_ticks(ylo, yhi, max_ticks=10)
