@@ -39,10 +39,7 @@ dropped and ``every`` doubles (``run.meta["decimated"]`` says how often).
 from __future__ import annotations
 
 import functools
-import math
-import re
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +48,9 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import __version__
-from . import histogram as H
-from ._warnings import AmpvizWarning
+from ._binner import Binner
+from ._store import StepStore
+from ._targets import dist_info, first_grad_tensor, is_ddp, select
 from .run import Run
 
 __all__ = ["Recorder"]
@@ -98,7 +96,7 @@ class Recorder:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
         self.enabled = bool(enabled)
-        self._ddp = model if _is_ddp(model) else None
+        self._ddp = model if is_ddp(model) else None
         if local_weights and self._ddp is None:
             raise ValueError("local_weights: True needs a DistributedDataParallel model (local and reduced "
                              "gradients only differ under DDP)")
@@ -107,9 +105,9 @@ class Recorder:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.path = Path(path) if path is not None else None
         self._background = background
-        self._params = _select(self.model.named_parameters(), weights, "weights",
+        self._params = select(self.model.named_parameters(), weights, "weights",
                                default=lambda n, p: p.requires_grad)
-        self._modules = _select(self.model.named_modules(), activations, "activations",
+        self._modules = select(self.model.named_modules(), activations, "activations",
                                 default=lambda n, m: n != "" and not list(m.children())
                                 and any(True for _ in m.parameters(recurse=False)))
         self._local = bool(local_weights)
@@ -172,25 +170,17 @@ class Recorder:
     def _setup(self) -> None:
         first = next(self.model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        self._world, self._rank = _dist_info()
-        T = len(self.tensor_names)
+        self._world, self._rank = dist_info()
         numel = sum(p.numel() for _, p in self._params)
-        self._binner = H.Binner(self.device, capacity=min(max(numel, 1 << 16), 1 << 24), background=self._background)
-        # (flush_every, T, NBINS) counts ring on the device; one host copy per flush
-        self._ring = torch.zeros(self.flush_every, T, H.NBINS, dtype=torch.int64, device=self.device)
-        self._ring_used, self._ring_steps = 0, []
-        # (2, flush_every) per-step scalars on the device: loss, scale after update()
-        self._scal = torch.zeros(2, self.flush_every, dtype=torch.float64, device=self.device)
-        self._scal_used = 0
-        self._host = {"loss": [], "next_scale": [], "hist_steps": [], "counts": []}
+        self._binner = Binner(self.device, capacity=min(max(numel, 1 << 16), 1 << 24), background=self._background)
+        self._store = StepStore(self.device, len(self.tensor_names), self.flush_every, self.max_bytes, self.every)
         self._step = 0
         self._row_of = {id(p): i for i, (_, p) in enumerate(self._params)}
         self._opt_rows: dict[int, list] = {}
         self._grad_refs = [None] * len(self._params)
         self._weights_done = np.zeros(len(self._params), dtype=bool)
         self._capturing = True
-        self._binner.target = self._ring[0].view(-1)
-        self._decimations = 0
+        self._binner.target = self._store.slot()
         self._prev_scale = self._read_init_scale()
         self._created = time.time()
 
@@ -214,7 +204,7 @@ class Recorder:
     def _on_forward(self, row, module, inputs, output):
         if not self._capturing:
             return
-        out = _first_grad_tensor(output)
+        out = first_grad_tensor(output)
         if out is not None:
             out.register_hook(functools.partial(self._on_activation_grad, row))
 
@@ -250,29 +240,11 @@ class Recorder:
             return
         if not self._open:
             raise RuntimeError("Recorder.step() called outside `with recorder:`")
-        j = self._scal_used
-        if loss is None:
-            self._scal[0, j] = math.nan
-        elif isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"loss: expected a scalar, got a tensor of shape {tuple(loss.shape)}")
-            self._scal[0, j].copy_(loss.detach().reshape(()))
-        else:
-            self._scal[0, j] = float(loss)
-        if self.scaler is not None:
-            scale = getattr(self.scaler, "_scale", None)   # device tensor; get_scale() would sync
-            if scale is not None:
-                self._scal[1, j].copy_(scale.reshape(()))
-            else:
-                self._scal[1, j] = self.scaler.get_scale()
-        else:
-            self._scal[1, j] = 1.0
-        self._scal_used += 1
+        self._store.put_scalars(loss, self.scaler)
         if self._capturing:
             self._finish_histograms()
         self._step += 1
-        if self._scal_used == self.flush_every:
-            self._flush_scalars()
+        self.every = self._store.every                     # decimation may have doubled it
         self._capturing = self._step % self.every == 0
 
     def _finish_histograms(self) -> None:
@@ -284,72 +256,27 @@ class Recorder:
         self._weights_done[:] = False
         self._grad_refs = [None] * len(self._params)
         self._binner.submit()
-        self._ring_steps.append(self._step)
-        self._ring_used += 1
-        if self._ring_used == self.flush_every:
-            self._flush_counts()
-        self._binner.target = self._ring[self._ring_used].view(-1)
+        self._store.end_row(self._step, self._binner)
+        self._binner.target = self._store.slot()
 
-    # ------------------------------------------------------------------ flushing (host copies)
     def _flush(self) -> None:
-        self._flush_counts()
-        self._flush_scalars()
-
-    def _flush_scalars(self) -> None:
-        n = self._scal_used
-        if n == 0:
-            return
-        host = self._scal[:, :n].cpu().numpy()          # note: a device->host sync, once per flush
-        self._host["loss"].append(host[0].copy())
-        self._host["next_scale"].append(host[1].copy())
-        self._scal_used = 0
-
-    def _flush_counts(self) -> None:
-        self._binner.wait()
-        n = self._ring_used
-        if n == 0:
-            return
-        self._host["counts"].append(self._ring[:n].cpu().numpy().copy())   # sync, once per flush
-        self._host["hist_steps"].extend(self._ring_steps)
-        self._ring.zero_()
-        self._ring_used, self._ring_steps = 0, []
-        self._binner.target = self._ring[0].view(-1)
-        self._maybe_decimate()
-
-    def _maybe_decimate(self) -> None:
-        row_bytes = len(self.tensor_names) * H.NBINS * 8
-        while len(self._host["hist_steps"]) * row_bytes > self.max_bytes and len(self._host["hist_steps"]) > 1:
-            counts = np.concatenate(self._host["counts"])
-            steps = np.asarray(self._host["hist_steps"])
-            keep = (steps // self.every) % 2 == 0
-            self._host["counts"], self._host["hist_steps"] = [counts[keep]], steps[keep].tolist()
-            self.every *= 2
-            self._decimations += 1
-            self._capturing = self._step % self.every == 0
-            warnings.warn(f"Recorder: histograms reached max_bytes={self.max_bytes}; keeping every "
-                          f"{self.every}th step from now on", AmpvizWarning, stacklevel=4)
+        self._store.flush_counts(self._binner)
+        self._store.flush_scalars()
 
     # ------------------------------------------------------------------ the run
     def _build_run(self) -> Run:
-        T = len(self.tensor_names)
-        nxt = np.concatenate(self._host["next_scale"]) if self._host["next_scale"] else np.zeros(0)
-        used = np.concatenate([[self._prev_scale], nxt[:-1]]) if nxt.size else np.zeros(0)
-        loss = np.concatenate(self._host["loss"]) if self._host["loss"] else np.zeros(0)
-        if self.scaler is not None and self.scaler.get_backoff_factor() < 1:
-            skipped = nxt < used
-        else:
-            skipped = np.zeros(nxt.size, dtype=bool)
-        counts = (np.concatenate(self._host["counts"]) if self._host["counts"]
-                  else np.zeros((0, T, H.NBINS), dtype=np.int64))
-        return Run(np.arange(nxt.size), loss[None], used[None], nxt[None], skipped[None],
-                   np.asarray(self._host["hist_steps"], dtype=np.int64), counts[None],
-                   list(self.tensor_names), list(self.tensor_kinds), list(self._dtypes), self._meta())
+        skip_by_scale = self.scaler is not None and self.scaler.get_backoff_factor() < 1
+        a = self._store.arrays(self._prev_scale, skip_by_scale)
+        per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts")}
+        return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
+                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=list(self._dtypes), meta=self._meta(),
+                   **per_rank)
 
     def _meta(self) -> dict:
         sc = self.scaler
         return {"ampviz_version": __version__, "torch_version": torch.__version__, "device": str(self.device),
                 "world_size": self._world, "ranks": [self._rank], "every": self.every,
-                "decimated": self._decimations, "created": self._created,
+                "decimated": self._store.decimations, "created": self._created,
                 "domains": {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled"},
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
@@ -360,54 +287,3 @@ class Recorder:
             run.save(self.path / f"rank{self._rank}.npz")
         else:
             run.save(self.path)
-
-
-# ---------------------------------------------------------------------- helpers
-def _is_ddp(model) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel)
-
-
-def _dist_info() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
-
-
-def _first_grad_tensor(output):
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad and output.is_floating_point() else None
-    if isinstance(output, (tuple, list)):
-        for o in output:
-            t = _first_grad_tensor(o)
-            if t is not None:
-                return t
-    return None
-
-
-def _select(named, spec, argname: str, default) -> list:
-    """Apply a True / False / regex / list-of-names / callable filter to named parameters or modules."""
-    items = list(named)
-    if spec is False or spec is None:
-        return []
-    if spec is True:
-        return [(n, x) for n, x in items if default(n, x)]
-    if isinstance(spec, str):
-        try:
-            pattern = re.compile(spec)
-        except re.error as e:
-            raise ValueError(f"{argname}: invalid regular expression {spec!r}: {e}") from None
-        chosen = [(n, x) for n, x in items if n and pattern.search(n)]
-    elif callable(spec):
-        chosen = [(n, x) for n, x in items if spec(n, x)]
-    elif isinstance(spec, (list, tuple, set)):
-        names = {n for n, _ in items}
-        unknown = [s for s in spec if s not in names]
-        if unknown:
-            raise ValueError(f"{argname}: no such names {unknown[:5]}; known: {sorted(names)[:8]} ...")
-        chosen = [(n, x) for n, x in items if n in set(spec)]
-    else:
-        raise TypeError(f"{argname}: expected True, False, a regex string, a list of names or a callable, "
-                        f"got {type(spec).__name__}")
-    if not chosen:
-        raise ValueError(f"{argname}: the filter {spec!r} matches nothing in the model")
-    return chosen

@@ -21,30 +21,21 @@ multiplied by the loss scale. :meth:`Run.counts_in` gives either view of both::
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import tempfile
 import warnings
-import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from . import _runfile
 from . import histogram as H
+from ._runfile import SCHEMA_VERSION, RunFileError
 from ._warnings import AmpvizWarning
 
 __all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS"]
 
-SCHEMA_VERSION = 1
-MAGIC = "ampviz-run"
 DOMAINS = ("unscaled", "scaled", "recorded")
-_ARRAYS = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts")
-
-
-class RunFileError(ValueError):
-    """A run file is missing, corrupt, truncated, foreign or from a newer ampviz."""
+_PER_RANK = ("loss", "loss_scale", "next_scale", "skipped", "counts")
 
 
 @dataclass
@@ -207,13 +198,13 @@ class Run:
         path = Path(path)
         if len(self.ranks) == 1:
             target = path if path.suffix == ".npz" else path.with_suffix(".npz")
-            _write_npz(target, self, 0)
+            _runfile.write(target, *self._rank_payload(0))
             return [target]
         path.mkdir(parents=True, exist_ok=True)
         out = []
         for i, r in enumerate(self.ranks):
             out.append(path / f"rank{r}.npz")
-            _write_npz(out[-1], self, i)
+            _runfile.write(out[-1], *self._rank_payload(i))
         return out
 
     @classmethod
@@ -224,10 +215,10 @@ class Run:
             files = sorted(path.glob("*.npz"))
             if not files:
                 raise RunFileError(f"{path}: directory holds no .npz run files")
-            return cls.merge([_read_npz(f) for f in files])
+            return cls.merge([cls._from_file(f) for f in files])
         if not path.exists():
             raise RunFileError(f"{path}: no such file or directory")
-        return _read_npz(path)
+        return cls._from_file(path)
 
     @classmethod
     def merge(cls, runs: list) -> Run:
@@ -255,6 +246,27 @@ class Run:
                    cat("skipped", n), first.hist_steps[:h], cat("counts", h), first.tensor_names,
                    first.tensor_kinds, first.tensor_dtypes, meta)
 
+    def _rank_payload(self, i: int):
+        """(arrays, meta) of rank index ``i``, as one run file stores them."""
+        meta = dict(self.meta, rank=self.ranks[i], tensor_names=self.tensor_names, tensor_kinds=self.tensor_kinds,
+                    tensor_dtypes=self.tensor_dtypes)
+        meta.pop("ranks", None)
+        arrays = {name: getattr(self, name) for name in _runfile.ARRAYS}
+        for name in _PER_RANK:
+            arrays[name] = arrays[name][i]
+        return arrays, meta
+
+    @classmethod
+    def _from_file(cls, path: Path) -> Run:
+        a, meta = _runfile.read(path)
+        names, kinds, dtypes = (meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes"))
+        meta["ranks"] = [meta.pop("rank", 0)]
+        try:
+            return cls(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(names), tensor_kinds=list(kinds),
+                       tensor_dtypes=list(dtypes), meta=meta, **{n: a[n][None] for n in _PER_RANK})
+        except RunFileError as e:
+            raise RunFileError(f"{path}: {e}") from None
+
     # ------------------------------------------------------------------ checks
     def _validate(self, where: str) -> None:
         R, N = np.shape(self.loss) if np.ndim(self.loss) == 2 else (None, None)
@@ -275,72 +287,3 @@ class Run:
                 problems.append("tensor_names, tensor_kinds and tensor_dtypes differ in length")
         if problems:
             raise RunFileError(f"{where}: corrupt run: " + "; ".join(problems))
-
-
-def _write_npz(target: Path, run: Run, i: int) -> None:
-    meta = dict(run.meta, magic=MAGIC, schema=SCHEMA_VERSION, rank=run.ranks[i],
-                tensor_names=run.tensor_names, tensor_kinds=run.tensor_kinds, tensor_dtypes=run.tensor_dtypes)
-    meta.pop("ranks", None)
-    arrays = {name: getattr(run, name) for name in _ARRAYS}
-    for name in ("loss", "loss_scale", "next_scale", "skipped", "counts"):
-        arrays[name] = arrays[name][i]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, meta=np.array(json.dumps(meta, default=_json_default)), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)        # atomic: readers see the old file or the new one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
-
-
-def _read_npz(path: Path) -> Run:
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if "meta" not in z.files:
-                raise RunFileError(f"{path}: not an ampviz run (an .npz without ampviz metadata)")
-            raw = z["meta"]
-            if not isinstance(raw, np.ndarray) or raw.dtype.kind != "U" or raw.ndim != 0:
-                raise RunFileError(f"{path}: not an ampviz run (its 'meta' entry is not a JSON string)")
-            meta = json.loads(str(raw[()]))
-            if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
-                raise RunFileError(f"{path}: not an ampviz run (metadata lacks the ampviz marker)")
-            if int(meta.get("schema", math.inf)) > SCHEMA_VERSION:
-                raise RunFileError(f"{path}: written by a newer ampviz (schema {meta.get('schema')} > "
-                                   f"{SCHEMA_VERSION}); upgrade ampviz to read it")
-            missing = [a for a in _ARRAYS if a not in z.files]
-            if missing:
-                raise RunFileError(f"{path}: corrupt ampviz run: missing arrays {missing}")
-            a = {name: z[name] for name in _ARRAYS}
-    except RunFileError:
-        raise
-    except FileNotFoundError:
-        raise RunFileError(f"{path}: no such file") from None
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, TypeError) as e:
-        raise RunFileError(f"{path}: not a readable ampviz run file (corrupt or truncated: {e})") from None
-    names, kinds, dtypes = (meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes"))
-    rank = meta.pop("rank", 0)
-    for k in ("magic", "schema"):
-        meta.pop(k)
-    meta["ranks"] = [rank]
-    per_rank = {n: a[n][None] for n in ("loss", "loss_scale", "next_scale", "skipped", "counts")}
-    try:
-        return Run(a["steps"], per_rank["loss"], per_rank["loss_scale"], per_rank["next_scale"],
-                   per_rank["skipped"], a["hist_steps"], per_rank["counts"], list(names), list(kinds),
-                   list(dtypes), meta)
-    except RunFileError as e:
-        raise RunFileError(f"{path}: {e}") from None
