@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import datetime
 import io
+import multiprocessing.connection
 import os
-import queue
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 __all__ = ["LaunchError", "PeerFailure", "is_collective_failure", "Dist", "Workers", "free_port", "init_from_env",
            "launch", "sampler_table"]
@@ -136,12 +138,14 @@ class Workers:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs),
                "LOCAL_WORLD_SIZE": str(nprocs)}
         ctx = mp.get_context("spawn")
-        self._tasks = [ctx.SimpleQueue() for _ in range(nprocs)]
-        self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, args=(r, env, threads, self._tasks[r], self._results), daemon=True)
-                       for r in range(nprocs)]
+        pipes = [ctx.Pipe() for _ in range(nprocs)]           # one duplex pipe per rank: no shared locks
+        self._conns = [parent for parent, _ in pipes]
+        self._procs = [ctx.Process(target=_serve, args=(r, env, threads, child), daemon=True)
+                       for r, (_, child) in enumerate(pipes)]
         for p in self._procs:
             p.start()
+        for _, child in pipes:
+            child.close()                                     # the children hold their ends now
         self.closed = False
 
     def run(self, fn, *args, timeout: float | None = None) -> list:
@@ -149,25 +153,25 @@ class Workers:
         if self.closed:
             raise RuntimeError("Workers are closed (a rank failed, or close() was called); start new ones")
         _check_importable(fn)
-        for q in self._tasks:
-            q.put((fn, args))
+        for conn in self._conns:
+            conn.send((fn, args))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         outcomes, values, tracebacks = {}, {}, {}
         while len(outcomes) < self.nprocs and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = self._results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
-                for r in dead:
-                    outcomes[r] = f"died (exit status {self._procs[r].exitcode})"
-                continue
-            outcomes[rank] = "ok" if ok else payload[0]
-            if not ok:
-                tracebacks[rank] = payload[1]
-            if ok:
-                values[rank] = torch.load(io.BytesIO(payload), weights_only=True)
-            elif deadline - time.monotonic() > self.grace:     # the others get a grace period to fail too
-                deadline = time.monotonic() + self.grace
+            waiting = {self._conns[r]: r for r in range(self.nprocs) if r not in outcomes}
+            for conn in multiprocessing.connection.wait(list(waiting), timeout=deadline - time.monotonic()):
+                rank = waiting[conn]
+                try:
+                    ok, payload = conn.recv()
+                except (EOFError, OSError):               # the process died without answering
+                    self._procs[rank].join(1)
+                    ok, payload = False, (f"died (exit status {self._procs[rank].exitcode})", "")
+                outcomes[rank] = "ok" if ok else payload[0]
+                if ok:
+                    values[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+                else:
+                    tracebacks[rank] = payload[1]
+                    deadline = min(deadline, time.monotonic() + self.grace)   # the others get a grace period
         if len(values) == self.nprocs:
             return [values[r] for r in range(self.nprocs)]
         for r in range(self.nprocs):
@@ -183,9 +187,12 @@ class Workers:
         if self.closed:
             return
         self.closed = True
-        for q, p in zip(self._tasks, self._procs):
+        for conn, p in zip(self._conns, self._procs):
             if p.is_alive():
-                q.put(None)
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
         deadline = time.monotonic() + 10
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -195,6 +202,8 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
+        for conn in self._conns:
+            conn.close()
 
     def __repr__(self) -> str:
         alive = sum(p.is_alive() for p in self._procs)
@@ -227,26 +236,29 @@ def _check_importable(fn) -> None:
                          f"(spawned processes import it by name), got {fn!r}")
 
 
-def _serve(rank, env, threads, tasks, results):
+def _serve(rank, env, threads, conn):
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
+    # tqdm would create a multiprocessing lock (a named semaphore) that os._exit below never releases
+    tqdm.set_lock(threading.RLock())
     try:
-        while (task := tasks.get()) is not None:
+        while (task := conn.recv()) is not None:
             fn, args = task
             try:
                 buffer = io.BytesIO()
                 torch.save(fn(*args), buffer)
-                results.put((rank, True, buffer.getvalue()))
+                conn.send((True, buffer.getvalue()))
             except BaseException as e:                # report, then stop: the group may be broken
                 first = f"{type(e).__name__}: {' '.join(str(e).split())}"
-                results.put((rank, False, (f"raised {first}", traceback.format_exc())))
+                conn.send((False, (f"raised {first}", traceback.format_exc())))
                 break
+    except (EOFError, KeyboardInterrupt):             # the parent went away, or Ctrl-C reached us too
+        pass
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        results.close()
-        results.join_thread()              # every result is handed over ...
-    os._exit(0)                            # ... so skip the interpreter's slow teardown of torch
+        conn.close()
+    os._exit(0)                                       # skip the interpreter's slow teardown of torch
 
 
 def sampler_table(n: int, world_size: int = 2, epochs: int = 3, *, set_epoch: bool = True, shuffle: bool = True,

@@ -79,6 +79,13 @@ def test_workers_run_collectives_on_two_ranks():
         for r in red:
             assert r["all_reduce_sum"] == pytest.approx(total, rel=1e-6)
         assert red[0]["after_reduce"] == pytest.approx(total, rel=1e-6)
+        acc = workers.run(ddp_basics.accumulation_all_reduces, 3)          # no_sync: one all-reduce, not three
+        for r in acc:
+            assert r["every_backward"]["all_reduce_calls"] == 3 * r["no_sync"]["all_reduce_calls"] > 0
+            assert r["no_sync"]["values_all_reduced"] == sum(p.numel() for p in ddp_basics.small_model(0).parameters())
+            for a, b in zip(r["no_sync"]["grads"], r["every_backward"]["grads"]):
+                torch.testing.assert_close(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(acc[0]["no_sync"]["grads"], acc[1]["no_sync"]["grads"]))
     assert workers.closed
 
 

@@ -1,4 +1,4 @@
-"""Process-group basics, one small function per idea (lesson 09 runs them on 2 ranks).
+"""Process-group basics, one small function per idea (lessons 09 and 10 run them on 2 ranks).
 
 Each function joins the process group with :func:`ampviz.distributed.init_from_env` (torchrun's
 environment) and returns plain data, so a notebook can run it with ``ampviz.distributed.launch``::
@@ -13,12 +13,14 @@ or a terminal with torchrun, which runs :func:`main` (hello + an all-reduce on e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
@@ -26,8 +28,8 @@ from ..data import digits
 from ..distributed import init_from_env
 from ..models import MLP
 
-__all__ = ["hello", "sampler_shares", "reductions", "rank0_evaluation", "restore_and_broadcast", "small_model",
-           "main"]
+__all__ = ["hello", "sampler_shares", "reductions", "rank0_evaluation", "restore_and_broadcast",
+           "accumulation_all_reduces", "small_model", "main"]
 
 
 def small_model(seed: int) -> torch.nn.Module:
@@ -148,6 +150,34 @@ def restore_and_broadcast(path: str, lr: float = 1e-3) -> dict:
         _train_steps(ddp, opt, x, y, 1)
         out[variant] = {"before_ddp": before, "after_ddp": after, "matches_checkpoint": matches,
                         "adam_step_loaded": adam_step, "after_step": _checksum(model)}
+    return out
+
+
+def accumulation_all_reduces(accum: int = 4, batch: int = 32) -> dict:
+    """Accumulate ``accum`` micro-batches with ``no_sync()`` on all but the last, and without it.
+
+    A communication hook counts DDP's all-reduces (one per gradient bucket per synchronising
+    backward) and the values they carry; the final gradients of both variants are returned.
+    """
+    env = init_from_env(timeout=60)
+    x, y = _shard(env.rank, env.world_size)
+    out = {"rank": env.rank}
+    for label, use_no_sync in (("no_sync", True), ("every_backward", False)):
+        ddp = DDP(small_model(0))
+        sent = []
+
+        def counting_hook(state, bucket, sent=sent):
+            sent.append(bucket.buffer().numel())
+            return default_hooks.allreduce_hook(state, bucket)          # the default: all-reduce, average
+
+        ddp.register_comm_hook(None, counting_hook)
+        for i in range(accum):
+            quiet = ddp.no_sync() if use_no_sync and i < accum - 1 else contextlib.nullcontext()
+            with quiet:
+                sl = slice(batch * i, batch * (i + 1))
+                (F.cross_entropy(ddp(x[sl]), y[sl]) / accum).backward()
+        out[label] = {"all_reduce_calls": len(sent), "values_all_reduced": sum(sent),
+                      "grads": [p.grad.detach().clone() for p in ddp.module.parameters()]}
     return out
 
 
