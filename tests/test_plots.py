@@ -8,7 +8,7 @@ import torch
 
 from ampviz import formats as F
 from ampviz import histogram as H
-from ampviz.plots import bits_figure, histogram_figure, region_edges, scale_trace_figure
+from ampviz.plots import bits_figure, heatmap_figure, histogram_figure, region_edges, scale_trace_figure
 from ampviz.plots._style import log2_ticks, percent
 from ampviz.plots.histogram import binade_positions
 
@@ -192,3 +192,86 @@ def test_scale_trace_shows_where_a_deepspeed_replay_stops():
 def test_scale_trace_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match=r"skipped: expected length 3 \(one value per step\), got shape \(2,\)"):
         scale_trace_figure([0, 1, 2], [1.0, 2.0, 4.0], skipped=[True, False])
+
+
+# ---------------------------------------------------------------------------- heatmap, layers, ranks
+def step_counts(steps=12, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = [H.histogram(torch.from_numpy(np.exp2(rng.uniform(-30 + s, -10 + s, 500))).float()).numpy()
+            for s in range(steps)]
+    return np.stack(rows)
+
+
+def test_heatmap_cells_are_log10_counts_and_lines_follow_the_scale():
+    from ampviz.plots.heatmap import LIMIT_LINES
+    c = step_counts()
+    log2s = np.array([16] * 6 + [15] * 6)
+    fig = heatmap_figure(c, np.arange(100, 112), "fp16", log2s)
+    heat = fig.data[0]
+    y = np.asarray(heat.y)
+    z = np.asarray(heat.z, dtype=float)
+    assert z.shape == (y.size, 12) and list(heat.x) == list(range(100, 112))
+    cols = (y - 0.5).astype(int) + 128                       # row at k + 0.5 is column k + 128
+    with np.errstate(divide="ignore"):
+        expected = np.where(c[:, cols].T > 0, np.log10(c[:, cols].T), np.nan)
+    np.testing.assert_allclose(z, expected, rtol=1e-6)
+    assert c[:, cols].sum() == c[:, H.BELOW:H.ABOVE].sum()   # every non-empty binade is drawn
+    for trace, (_, region, *_) in zip(fig.data[1:4], LIMIT_LINES):
+        np.testing.assert_array_equal(trace.y, region_edges("fp16", 0)[region][0] - log2s)
+    lo, hi = fig.layout.yaxis.range
+    assert lo <= region_edges("fp16", 16)["subnormal"][0] and hi >= region_edges("fp16", 15)["overflow"][0]
+
+
+def test_long_runs_sum_windows_of_steps_into_columns():
+    from ampviz.plots.heatmap import MAX_COLUMNS
+    n = MAX_COLUMNS * 2 + 3
+    c = np.zeros((n, H.NBINS), dtype=np.int64)
+    c[:, H.column(-10)] = np.arange(n)
+    fig = heatmap_figure(c, np.arange(n), "bf16")
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z.shape[1] == -(-n // 3)                             # windows of 3 steps
+    row = list(np.asarray(fig.data[0].y)).index(-9.5)
+    assert 10 ** z[row, 1] == pytest.approx(3 + 4 + 5) and fig.data[0].x[1] == 4.0
+    assert "each column sums 3 steps" in fig.layout.title.subtitle.text
+
+
+def test_heatmap_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"counts: expected shape \(steps, 257\)"):
+        heatmap_figure(np.zeros((3, 2, H.NBINS)), [0, 1, 2])
+    with pytest.raises(ValueError, match="steps: expected 3 step numbers"):
+        heatmap_figure(np.zeros((3, H.NBINS)), [0, 1])
+    with pytest.raises(ValueError, match="log2_scale: expected integers"):
+        heatmap_figure(np.zeros((3, H.NBINS)), [0, 1, 2], log2_scale=[1, 1.5, 2])
+
+
+def test_layer_small_multiples_one_panel_per_tensor():
+    from ampviz.plots import layer_histograms_figure
+    c = step_counts(5)
+    names = [f"layer{i}" for i in range(5)]
+    fig = layer_histograms_figure(c, names, "fp16", 10, cols=2)
+    fate = H.fate(c, "fp16", log2_scale=10)
+    for i, name in enumerate(names):
+        np.testing.assert_array_equal(named(fig.data, name).y, c[i, H.BELOW:H.ABOVE])
+        title = fig.layout.annotations[i].text
+        assert title.startswith(f"<b>{name}</b>") and f"flushed {percent(fate.fraction('flushed')[i])}" in title
+        shape = named(fig.layout.shapes, f"region:overflow:{name}")
+        assert shape.x0 == region_edges("fp16", 10)["overflow"][0]
+    with pytest.raises(ValueError, match="names: expected 5 names"):
+        layer_histograms_figure(c, names[:3])
+
+
+def test_rank_comparison_has_one_line_per_rank():
+    from test_widgets import make_run
+
+    from ampviz.plots import rank_comparison_figure
+    from ampviz.run import Run
+    run = Run.merge([make_run(rank=0), make_run(rank=1, seed=1)])
+    fig = rank_comparison_figure(run, "fp16", kind="activation")
+    for i, rank in enumerate(run.ranks):
+        np.testing.assert_array_equal(named(fig.data, f"rank {rank} scale").y, np.log2(run.loss_scale[i]))
+        counts = run.counts_in("unscaled")[i][:, [1]].sum(axis=1)
+        zeros = 100 * counts[:, H.ZERO] / counts.sum(axis=1)
+        np.testing.assert_allclose(named(fig.data, f"rank {rank}").y, zeros)
+        np.testing.assert_allclose(named(fig.data, f"rank {rank} max").y, np.log2(H.max_magnitude(counts)))
+    with pytest.raises(TypeError, match="run: expected an ampviz.Run"):
+        rank_comparison_figure(np.zeros(3))

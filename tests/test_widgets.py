@@ -13,10 +13,10 @@ from ampviz import histogram as H
 from ampviz.plots._style import percent
 from ampviz.plots.histogram import region_edges
 from ampviz.run import Run
-from ampviz.widgets import DtypeExplorer, ScaleExplorer, ScalerPlayground
+from ampviz.widgets import DtypeExplorer, RunDashboard, ScaleExplorer, ScalerPlayground
 
 
-def make_run(steps=8, log2_scales=(16, 16, 15, 15, 15, 15, 16, 16), seed=0):
+def make_run(steps=8, log2_scales=(16, 16, 15, 15, 15, 15, 16, 16), seed=0, rank=0):
     """Two tensors: a weight gradient stored unscaled, an activation gradient stored scaled."""
     rng = np.random.default_rng(seed)
     counts = np.zeros((1, steps, 2, H.NBINS), dtype=np.int64)
@@ -30,7 +30,8 @@ def make_run(steps=8, log2_scales=(16, 16, 15, 15, 15, 15, 16, 16), seed=0):
     nxt = np.concatenate([scale[:, 1:], scale[:, -1:]], axis=1)
     return Run(np.arange(steps), rng.random((1, steps)), scale, nxt, nxt < scale, np.arange(steps), counts,
                ["fc.weight", "fc"], ["weight", "activation"], ["torch.float32", "torch.float16"],
-               {"world_size": 1, "ranks": [0], "every": 1, "domains": {"weight": "unscaled", "activation": "scaled"}})
+               {"world_size": 2 if rank else 1, "ranks": [rank], "every": 1,
+                "domains": {"weight": "unscaled", "activation": "scaled"}})
 
 
 def figure_state(figure_widget) -> dict:
@@ -271,3 +272,77 @@ def test_playground_rejects_bad_arguments(kwargs, match):
     args = dict(source=overflow_trace()) | kwargs
     with pytest.raises(ValueError, match=match):
         ScalerPlayground(args.pop("source"), **args)
+
+
+# ---------------------------------------------------------------------------- RunDashboard
+def test_dashboard_step_slider_shows_that_steps_histogram_at_its_recorded_scale():
+    run = make_run()
+    d = RunDashboard(run)
+    unscaled = run.counts_in("unscaled")[0]
+    for step in (0, 3, 7):
+        d.step_slider.value = step
+        s = int(np.log2(run.loss_scale[0, step]))
+        expected = unscaled[step].sum(axis=0)
+        np.testing.assert_array_equal(d.counts, expected)
+        np.testing.assert_array_equal(named(d.histogram.data, "binades").y, expected[H.BELOW:H.ABOVE])
+        fate = H.fate(expected, "fp16", log2_scale=s)
+        lo, hi = d.histogram.layout.xaxis2.range
+        for r, (a, b) in region_edges("fp16", s).items():
+            shape = named(d.histogram.layout.shapes, f"region:{r}")
+            assert (shape.x0, shape.x1) == (min(max(a, lo), hi), min(max(b, lo), hi))
+            assert d.fractions[r] == pytest.approx(float(fate.fraction(r)), abs=1e-15)
+        assert d.histogram.layout.title.text.startswith(f"Step {step} vs fp16 at loss scale 2<sup>{s}</sup>")
+        assert d.heatmap.layout.shapes[0].x0 == step and d.trace.layout.shapes[-1].x0 == step
+        assert f"2^{s} = {2 ** s:,}" in d.readout.value
+
+
+def test_dashboard_selectors_change_what_is_shown():
+    run = make_run()
+    d = RunDashboard(run, step=2)
+    d.kind_buttons.value = "activation"
+    assert list(d.tensor_dropdown.options) == ["all tensors", "fc"]
+    np.testing.assert_array_equal(d.counts, run.counts_in("unscaled")[0, 2, 1])
+    assert d.heatmap.layout.title.text == "all activation tensors, rank 0"
+    d.kind_buttons.value = "all"
+    d.tensor_dropdown.value = "fc.weight"
+    np.testing.assert_array_equal(d.counts, run.counts[0, 2, 0])
+    d.domain_buttons.value = "scaled"                       # values move, limits stay put
+    np.testing.assert_array_equal(d.counts, run.counts_in("scaled")[0, 2, 0])
+    assert named(d.histogram.layout.shapes, "region:overflow").x0 == region_edges("fp16", 0)["overflow"][0]
+    assert "scaled" in d.histogram.layout.xaxis2.title.text and "scaled" in d.heatmap.layout.yaxis.title.text
+    heat_z = np.asarray(d.heatmap.data[0].z, dtype=float)
+    assert np.nansum(10 ** heat_z) == pytest.approx(run.counts[0, :, 0, H.BELOW:H.ABOVE].sum())
+
+
+def test_dashboard_rank_selector_redraws_that_ranks_trace():
+    from ampviz.plots.trace import TRACES
+    run = Run.merge([make_run(rank=0), make_run(rank=1, seed=1, log2_scales=(12,) * 8)])
+    d = RunDashboard(run)
+    d.rank_dropdown.value = 1
+    np.testing.assert_array_equal(d.trace.data[TRACES["recorded"]].y, np.log2(run.loss_scale[1]))
+    np.testing.assert_array_equal(d.counts, run.counts_in("unscaled")[1, 0].sum(axis=0))
+    assert d.trace.layout.title.text == "Loss scale, rank 1"
+
+
+def test_dashboard_is_built_with_its_final_initial_state():
+    run = make_run()
+    direct = RunDashboard(run, step=5, kind="activation")
+    moved = RunDashboard(run)
+    moved.kind_buttons.value = "activation"
+    moved.step_slider.value = 5
+    for a, b in ((direct.histogram, moved.histogram), (direct.heatmap, moved.heatmap), (direct.trace, moved.trace)):
+        assert figure_state(a) == figure_state(b)
+
+
+def test_dashboard_rejects_bad_arguments():
+    run = make_run()
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        RunDashboard(run, kind="bias")
+    with pytest.raises(ValueError, match="tensor: 'fc.weight' is not a activation tensor"):
+        RunDashboard(run, tensor="fc.weight", kind="activation")
+    with pytest.raises(KeyError, match="step: 50 has no histogram"):
+        RunDashboard(run, step=50)
+    with pytest.raises(ValueError, match="domain: expected one of"):
+        RunDashboard(run, domain="raw")
+    with pytest.raises(TypeError, match="run: expected an ampviz.Run"):
+        RunDashboard(np.zeros(3))

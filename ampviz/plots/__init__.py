@@ -5,7 +5,11 @@
 """
 
 from .bits import bits_figure
+from .heatmap import heatmap_figure
 from .histogram import histogram_figure, region_edges
+from .layers import layer_histograms_figure
+from .ranks import rank_comparison_figure
 from .trace import scale_trace_figure
 
-__all__ = ["histogram_figure", "region_edges", "bits_figure", "scale_trace_figure"]
+__all__ = ["histogram_figure", "region_edges", "bits_figure", "scale_trace_figure", "heatmap_figure",
+           "layer_histograms_figure", "rank_comparison_figure"]

@@ -13,11 +13,12 @@ vision deficiencies. A value's fate always has the same colour, in every figure:
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
 __all__ = ["OKABE_ITO", "REGIONS", "REGION_COLORS", "REGION_LABELS", "DATA_COLOR", "ZERO_COLOR",
-           "log2_ticks", "short_number", "pow2_text", "base_layout", "swatch", "percent"]
+           "log2_ticks", "short_number", "pow2_text", "base_layout", "swatch", "percent", "apply_layout"]
 
 OKABE_ITO = {"black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
              "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7"}
@@ -32,6 +33,7 @@ REGION_OPACITY = 0.16
 DATA_COLOR = OKABE_ITO["blue"]        # bars and recorded traces: dark, readable over any shading
 REPLAY_COLOR = OKABE_ITO["sky_blue"]
 ZERO_COLOR = "#8C8C8C"                # exact zeros: zero in every format, so no region colour
+_ELEMENT_PATH = re.compile(r"^(shapes|annotations)\[(\d+)\]\.(\w+)$")     # "shapes[3].x0"
 FONT = dict(family="Inter, Helvetica Neue, Arial, sans-serif", size=13, color="#222222")
 
 
@@ -92,6 +94,31 @@ def base_layout(title: str | None = None, subtitle: str | None = None, height: i
                                subtitle=dict(text=subtitle or "", font=dict(size=12, color="#555555")))
     layout.update(kw)
     return layout
+
+
+def apply_layout(fig, updates: dict) -> None:
+    """Apply many layout changes (``{"shapes[0].x0": 1.0, "title.text": ...}``) in one relayout.
+
+    Changes to elements of ``shapes`` and ``annotations`` are sent as whole new lists: plotly
+    parses every ``"shapes[i].prop"`` path on its own, which on a FigureWidget costs about a
+    millisecond each, while replacing a short list costs about that once. The browser gets one
+    message either way.
+    """
+    if not updates:
+        return
+    arrays, rest = {}, {}
+    for key, value in updates.items():
+        m = _ELEMENT_PATH.match(key)
+        if m:
+            arrays.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = value
+        else:
+            rest[key] = value
+    for name, changes in arrays.items():
+        items = [dict(item.to_plotly_json()) for item in fig.layout[name]]
+        for i, props in changes.items():
+            items[i].update(props)
+        rest[name] = items
+    fig.plotly_relayout(rest)
 
 
 def finite_range(values, pad: float = 0.0):

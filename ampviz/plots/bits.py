@@ -14,7 +14,7 @@ import math
 import plotly.graph_objects as go
 
 from ..formats import get_format
-from ._style import OKABE_ITO, base_layout
+from ._style import OKABE_ITO, apply_layout, base_layout
 
 __all__ = ["bits_figure", "set_bits", "field_values", "bit_cells"]
 
@@ -121,26 +121,27 @@ def set_bits(fig, format, sign: int, exponent: int, mantissa: int) -> None:
     n = len(codes)
     heat = fig.data[0]
     heat.z, heat.text, heat.x = [codes], [digits], list(range(n))
-    fig.layout.title.text, fig.layout.title.subtitle.text = _titles(fmt)
-    fig.layout.xaxis.range = [-0.6, n - 0.4]
-    spans = {"sign": (0, 0), "exponent": (1, fmt.exponent_bits),
-             "mantissa": (fmt.exponent_bits + 1, n - 1)}
+    title, subtitle = _titles(fmt)
+    d = {"title.text": title, "title.subtitle.text": subtitle, "xaxis.range": [-0.6, n - 0.4]}
+    spans = {"sign": (0, 0), "exponent": (1, fmt.exponent_bits), "mantissa": (fmt.exponent_bits + 1, n - 1)}
     widths = {"sign": 1, "exponent": fmt.exponent_bits, "mantissa": fmt.mantissa_bits}
     decoded = field_values(fmt, sign, exponent, mantissa)
-    for shape in fig.layout.shapes:
+    for i, shape in enumerate(fig.layout.shapes):
         if (shape.name or "").startswith("field:"):
             a, b = spans[shape.name[6:]]
-            shape.x0, shape.x1 = a - 0.5, b + 0.5
-    for ann in fig.layout.annotations:
+            d[f"shapes[{i}].x0"], d[f"shapes[{i}].x1"] = a - 0.5, b + 0.5
+    for i, ann in enumerate(fig.layout.annotations):
         kind, _, field = (ann.name or "").partition(":")
         if kind in ("label", "decode"):
             a, b = spans[field]
             # the one-bit sign field is narrow: anchor its text left so it does not spill over the exponent
-            ann.x, ann.xanchor = (a - 0.45, "left") if field == "sign" else ((a + b) / 2, "center")
-            ann.text = (f"<b>{field}</b> ({widths[field]} bit{'s' if widths[field] > 1 else ''})" if kind == "label"
-                        else _decode_text(field, decoded))
+            d[f"annotations[{i}].x"], d[f"annotations[{i}].xanchor"] = \
+                (a - 0.45, "left") if field == "sign" else ((a + b) / 2, "center")
+            d[f"annotations[{i}].text"] = (f"<b>{field}</b> ({widths[field]} bit{'s' if widths[field] > 1 else ''})"
+                                           if kind == "label" else _decode_text(field, decoded))
         elif kind == "result":
-            ann.text = _result_text(fmt, sign, exponent, mantissa, decoded)
+            d[f"annotations[{i}].text"] = _result_text(fmt, sign, exponent, mantissa, decoded)
+    apply_layout(fig, d)
 
 
 def _titles(fmt) -> tuple:

@@ -31,6 +31,7 @@ from ._style import (
     REGION_OPACITY,
     REGIONS,
     ZERO_COLOR,
+    apply_layout,
     base_layout,
     log2_ticks,
     percent,
@@ -141,7 +142,7 @@ def histogram_figure(counts, format="fp16", log2_scale=0, *, domain: str = "unsc
     and annotations "fraction:<name>" (region shares of the non-zero values).
     """
     fmt, s, domain = get_format(format), check_log2_scale(log2_scale), check_domain(domain)
-    c = summed_counts(counts)
+    c = summed_counts(counts).astype(np.float64)      # as set_counts sends them: a binary buffer
     lo, hi = histogram_x_range(c, fmt, (s,)) if x_range is None else _check_range(x_range)
     fig = make_subplots(rows=1, cols=3, shared_yaxes=True, column_widths=[0.06, 0.84, 0.10],
                         horizontal_spacing=0.012)
@@ -175,18 +176,25 @@ def histogram_figure(counts, format="fp16", log2_scale=0, *, domain: str = "unsc
     return fig
 
 
-def set_title(fig, title: str, format, log2_scale, domain: str = "unscaled") -> None:
+def set_title(fig, title: str, format, log2_scale, domain: str = "unscaled", updates: dict | None = None) -> None:
     """Rewrite a histogram figure's title and subtitle for ``format`` at ``2**log2_scale`` (in place)."""
     fmt, s = get_format(format), check_log2_scale(log2_scale)
-    fig.layout.title.text = _title(title, fmt, s)
-    fig.layout.title.subtitle.text = _subtitle(fmt, s, check_domain(domain))
+    d = {} if updates is None else updates
+    d["title.text"] = _title(title, fmt, s)
+    d["title.subtitle.text"] = _subtitle(fmt, s, check_domain(domain))
+    d["xaxis2.title.text"] = f"|gradient| ({domain}, log2 scale)"
+    if updates is None:
+        apply_layout(fig, d)
 
 
-def set_x_range(fig, x_range) -> None:
+def set_x_range(fig, x_range, updates: dict | None = None) -> None:
     """Set the log2 axis range of a histogram figure and its ticks (in place)."""
     lo, hi = _check_range(x_range)
     ticks, text = log2_ticks(lo, hi)
-    fig.layout.xaxis2.update(range=[lo, hi], tickvals=ticks, ticktext=text)
+    d = {} if updates is None else updates
+    d.update({"xaxis2.range": [lo, hi], "xaxis2.tickvals": ticks, "xaxis2.ticktext": text})
+    if updates is None:
+        apply_layout(fig, d)
 
 
 def _title(title: str, fmt, s: int) -> str:
@@ -212,22 +220,25 @@ def _named(items, prefix: str) -> dict:
     return {it.name[len(prefix):]: i for i, it in enumerate(items) if (it.name or "").startswith(prefix)}
 
 
-def set_regions(fig, format, log2_scale, xref: str = "x2") -> None:
+def set_regions(fig, format, log2_scale, xref: str = "x2", updates: dict | None = None) -> None:
     """Move the shaded regions of a histogram figure to ``format`` at ``2**log2_scale`` (in place).
 
-    Regions are clipped to the x axis range so that no shape stretches to infinity.
+    Regions are clipped to the x axis range so that no shape stretches to infinity. With
+    ``updates`` (a dict), the layout changes are added to it instead of applied (see
+    :func:`~ampviz.plots._style.apply_layout`: one relayout for many changes is much faster).
     """
-    axis = fig.layout[xref.replace("x", "xaxis")]
-    lo, hi = axis.range
+    d = {} if updates is None else updates
+    lo, hi = d.get(f"{xref.replace('x', 'xaxis')}.range") or fig.layout[xref.replace("x", "xaxis")].range
     edges = region_edges(format, log2_scale)
     for r, i in _named(fig.layout.shapes, "region:").items():
-        a, b = edges[r]
-        shape = fig.layout.shapes[i]
-        if shape.xref == xref:
-            shape.x0, shape.x1 = min(max(a, lo), hi), min(max(b, lo), hi)
+        if fig.layout.shapes[i].xref == xref:
+            a, b = edges[r]
+            d[f"shapes[{i}].x0"], d[f"shapes[{i}].x1"] = min(max(a, lo), hi), min(max(b, lo), hi)
+    if updates is None:
+        apply_layout(fig, d)
 
 
-def set_fractions(fig, fate, format) -> None:
+def set_fractions(fig, fate, format, updates: dict | None = None) -> None:
     """Write each region's share of the non-zero values into the figure's header (in place).
 
     ``fate`` is a :class:`ampviz.histogram.Fate` for one histogram, or a dict region -> fraction.
@@ -235,13 +246,16 @@ def set_fractions(fig, fate, format) -> None:
     fmt = get_format(format)
     fractions = fate if isinstance(fate, dict) else {r: float(fate.fraction(r)) for r in REGIONS}
     labels = dict(REGION_LABELS, overflow=_overflow_label(fmt))
+    d = {} if updates is None else updates
     for r, i in _named(fig.layout.annotations, "fraction:").items():
-        fig.layout.annotations[i].text = f"{swatch(REGION_COLORS[r])} {labels[r]} <b>{percent(fractions[r])}</b>"
+        d[f"annotations[{i}].text"] = f"{swatch(REGION_COLORS[r])} {labels[r]} <b>{percent(fractions[r])}</b>"
+    if updates is None:
+        apply_layout(fig, d)
 
 
 def set_counts(fig, counts) -> None:
     """Replace the bar heights of a histogram figure with ``counts`` (NBINS,) (in place)."""
-    c = summed_counts(counts)
+    c = summed_counts(counts).astype(np.float64)     # float64 travels to the browser as a binary buffer
     names = {t.name: t for t in fig.data}
     names["zero"].y = [c[H.ZERO]]
     names["binades"].y = c[_COLS]

@@ -18,9 +18,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..formats import get_format
-from ._style import DATA_COLOR, REGION_COLORS, REPLAY_COLOR, base_layout, log2_ticks
+from ._style import DATA_COLOR, REGION_COLORS, REPLAY_COLOR, apply_layout, base_layout, log2_ticks
 
-__all__ = ["scale_trace_figure", "set_replay", "log2_or_none", "TRACES"]
+__all__ = ["scale_trace_figure", "set_replay", "set_recorded", "log2_or_none", "TRACES"]
 
 # trace order of every scale-trace figure (names carry counts, so look traces up by index)
 TRACES = {n: i for i, n in enumerate(("ceiling", "recorded", "recorded skipped", "recorded grown", "replay",
@@ -150,6 +150,18 @@ def _marker_names(which: str, skipped, grown) -> tuple:
     return f"{which}: {int(np.sum(skipped))} skipped", f"{which}: {int(np.sum(grown))} growths"
 
 
+def set_recorded(fig, steps, loss_scale, skipped, grown) -> None:
+    """Replace the recorded line and its skip / growth markers of a scale-trace figure (in place)."""
+    steps = _check_1d("steps", steps, None)
+    n = steps.size
+    y = log2_or_none(_check_1d("loss_scale", loss_scale, n))
+    sk, gr = _check_1d("skipped", skipped, n, bool), _check_1d("grown", grown, n, bool)
+    line, skip, grow = (fig.data[TRACES[name]] for name in ("recorded", "recorded skipped", "recorded grown"))
+    line.x, line.y = steps, y
+    (skip.x, skip.y), (grow.x, grow.y) = _points(steps, y, sk), _points(steps, y, gr)
+    skip.name, grow.name = _marker_names("recorded", sk, gr)
+
+
 def set_replay(fig, replay, steps=None) -> None:
     """Draw ``replay`` (an ``ampviz.scaler.Replay``) into a scale-trace figure (in place).
 
@@ -158,9 +170,9 @@ def set_replay(fig, replay, steps=None) -> None:
     """
     steps = np.asarray(fig.data[TRACES["recorded"]].x if steps is None else steps)
     k = replay.scale.size
-    x, y = steps[:k], log2_or_none(replay.scale)
+    x, y = steps[:k].astype(np.float64), log2_or_none(replay.scale)      # float64: binary transfer
     sk, gr = np.asarray(replay.skipped, bool), np.asarray(replay.grown, bool)
-    line, skip, grow = (fig.data[TRACES[n]] for n in ("replay", "replay skipped", "replay grown"))
+    line, skip, grow = (fig.data[TRACES[name]] for name in ("replay", "replay skipped", "replay grown"))
     name = getattr(replay.policy, "name", "replay")
     line.x, line.y, line.name = x, y, f"replay ({name})"
     for t in (line, skip, grow):
@@ -169,13 +181,13 @@ def set_replay(fig, replay, steps=None) -> None:
         line.name += f", stops at step {int(steps[replay.crashed_at])}"
     (skip.x, skip.y), (grow.x, grow.y) = _points(x, y, sk), _points(x, y, gr)
     skip.name, grow.name = _marker_names("replay", sk, gr)
-    stop = fig.layout.shapes[0]                      # the "replay stops here" line
-    stop.visible = replay.crashed_at is not None
-    if stop.visible:
-        stop.x0 = stop.x1 = float(steps[replay.crashed_at])
+    updates = {"shapes[0].visible": replay.crashed_at is not None}    # the "replay stops here" line
+    if replay.crashed_at is not None:
+        updates["shapes[0].x0"] = updates["shapes[0].x1"] = float(steps[replay.crashed_at])
     lo, hi = fig.layout.yaxis.range
     finite = y[np.isfinite(y)]
     if finite.size and (finite.min() < lo or finite.max() > hi):     # keep the replay on screen
         lo, hi = min(lo, float(np.floor(finite.min()) - 1)), max(hi, float(np.ceil(finite.max()) + 1))
         ticks, text = log2_ticks(lo, hi, decimals=False)
-        fig.layout.yaxis.update(range=[lo, hi], tickvals=ticks, ticktext=text)
+        updates.update({"yaxis.range": [lo, hi], "yaxis.tickvals": ticks, "yaxis.ticktext": text})
+    apply_layout(fig, updates)

@@ -4,8 +4,9 @@
     DtypeExplorer(0.1, "fp16")
 """
 
+from .dashboard import RunDashboard
 from .dtype import DtypeExplorer
 from .playground import ScalerPlayground
 from .scale import ScaleExplorer
 
-__all__ = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground"]
+__all__ = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground", "RunDashboard"]

@@ -54,7 +54,7 @@ class DtypeExplorer(W.VBox):
                                 placeholder="0.1, -3e-8, 2**-24, inf, nan")
         self.readout = W.HTML()
         self.figure = figure_widget(bits_figure(fields=self._fields, format=fmt))
-        self._bit_row = W.HBox()
+        self._bit_row = W.HBox(layout=W.Layout(flex_flow="row wrap"))
         self._build_buttons()
         self._write_readout()
         self.format_dropdown.observe(self._on_format, "value")
@@ -101,18 +101,36 @@ class DtypeExplorer(W.VBox):
 
     # ------------------------------------------------------------------ controls
     def _build_buttons(self) -> None:
-        fmt = self._fmt
-        digits = self.bit_string.replace(" ", "")
-        fields = ["sign"] + ["exponent"] * fmt.exponent_bits + ["mantissa"] * fmt.mantissa_bits
-        self.bit_buttons = []
-        for i, (d, f) in enumerate(zip(digits, fields)):
-            b = W.ToggleButton(value=d == "1", description=d, tooltip=f"{f} bit (click to flip)",
-                               layout=W.Layout(width="26px", padding="0px", margin="0 1px"))
-            b.style.button_color = _FIELD_COLORS[f][0] if d == "1" else _FIELD_COLORS[f][1]
-            b.style.text_color = "white" if d == "1" and f != "sign" else "black"
+        """One pool of 32 toggle buttons (the widest format); a format shows the first ``bits`` of them."""
+        self._pool = []
+        for i in range(max(f.bits for f in FORMATS.values())):
+            b = W.ToggleButton(layout=W.Layout(width="26px", padding="0px", margin="0 1px"))
             b.observe(lambda change, i=i: self._on_bit(i, change["new"]), "value")
-            self.bit_buttons.append(b)
+            self._pool.append(b)
+        self._shown = [None] * len(self._pool)      # (digit, field) each button shows now
+        self._layout_buttons()
+
+    def _layout_buttons(self) -> None:
+        fmt = self._fmt
+        self._button_fields = ["sign"] + ["exponent"] * fmt.exponent_bits + ["mantissa"] * fmt.mantissa_bits
+        self.bit_buttons = self._pool[:fmt.bits]
+        for b, f in zip(self.bit_buttons, self._button_fields):
+            b.tooltip = f"{f} bit (click to flip)"
+        self._show_bits()
         self._bit_row.children = self.bit_buttons
+
+    def _show_bits(self) -> None:
+        """Set the buttons to the current fields, touching only those that change (each change is a message)."""
+        self._syncing = True
+        try:
+            for i, (b, d, f) in enumerate(zip(self.bit_buttons, self.bit_string.replace(" ", ""), self._button_fields)):
+                if self._shown[i] != (d, f):
+                    b.value, b.description = d == "1", d
+                    b.style.button_color = _FIELD_COLORS[f][0 if d == "1" else 1]
+                    b.style.text_color = "white" if d == "1" and f != "sign" else "black"
+                    self._shown[i] = (d, f)
+        finally:
+            self._syncing = False
 
     def _on_bit(self, index: int, on: bool) -> None:
         if self._syncing:
@@ -155,17 +173,9 @@ class DtypeExplorer(W.VBox):
     # ------------------------------------------------------------------ views
     def _refresh(self, rebuild: bool) -> None:
         if rebuild:
-            self._build_buttons()
+            self._layout_buttons()
         else:
-            self._syncing = True
-            try:
-                for b, d in zip(self.bit_buttons, self.bit_string.replace(" ", "")):
-                    b.value, b.description = d == "1", d
-                    field = b.tooltip.split()[0]
-                    b.style.button_color = _FIELD_COLORS[field][0 if d == "1" else 1]
-                    b.style.text_color = "white" if d == "1" and field != "sign" else "black"
-            finally:
-                self._syncing = False
+            self._show_bits()
         with self.figure.batch_update():
             set_bits(self.figure, self._fmt, *self._fields)
         self._write_readout()

@@ -25,7 +25,8 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import FORMATS, get_format
-from ..plots._style import REGION_LABELS, REGIONS, percent
+from ..plots._runview import as_counts_source
+from ..plots._style import REGION_LABELS, REGIONS, apply_layout, percent
 from ..plots.histogram import (
     check_domain,
     check_log2_scale,
@@ -37,7 +38,6 @@ from ..plots.histogram import (
     set_x_range,
 )
 from ._common import figure_widget, pow2_label, table_html
-from ._runview import as_counts_source
 
 __all__ = ["ScaleExplorer"]
 
@@ -113,10 +113,12 @@ class ScaleExplorer(W.VBox):
     def _on_change(self, change=None) -> None:
         fmt, s = self.format, self.slider.value
         self.fractions = self._shares(fmt, s)
+        updates: dict = {}                  # every layout change in one relayout message
+        set_regions(self.figure, fmt, s, updates=updates)
+        set_fractions(self.figure, self.fractions, fmt, updates=updates)
+        set_title(self.figure, self._title, fmt, s, self._domain, updates=updates)
         with self.figure.batch_update():
-            set_regions(self.figure, fmt, s)
-            set_fractions(self.figure, self.fractions, fmt)
-            set_title(self.figure, self._title, fmt, s, self._domain)
+            apply_layout(self.figure, updates)
         self.scale_label.value = pow2_label(s)
         self.readout.value = self._readout_html(fmt, s)
 

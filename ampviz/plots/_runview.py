@@ -1,4 +1,4 @@
-"""Cached views of a Run for widgets: per-tensor counts in a domain, computed once, on demand.
+"""Cached views of a Run for figures and widgets: per-tensor counts in a domain, computed once, on demand.
 
 ``Run.counts_in`` converts every tensor of every rank at once (a copy of the whole counts array:
 2,000 steps × 50 tensors is 200 MB); widgets need one tensor or one selection at a time, so they
@@ -49,15 +49,26 @@ class RunView:
         return self._cache[key]
 
     def selection_counts(self, rank: int, tensors, domain: str = "unscaled") -> np.ndarray:
-        """(H, NBINS) counts summed over ``tensors`` (indices), cached per selection."""
+        """(H, NBINS) counts summed over ``tensors`` (indices), cached per selection.
+
+        Shifting is linear, so the tensors stored in the other domain are summed first and
+        shifted once, whatever their number.
+        """
         tensors = tuple(int(t) for t in tensors)
         key = ("s", rank, tensors, domain)
         if key not in self._cache:
             if not tensors:
                 raise ValueError("tensors: the selection is empty")
-            total = np.zeros((self.run.hist_steps.size, H.NBINS), dtype=np.int64)
-            for t in tensors:
-                total += self.tensor_counts(rank, t, domain)
+            if len(tensors) == 1:
+                self._cache[key] = self.tensor_counts(rank, tensors[0], domain)
+                return self._cache[key]
+            counts = self.run.counts[rank]                                        # (H, T, NBINS)
+            same = [t for t in tensors if self.stored[t] == domain]
+            other = [t for t in tensors if self.stored[t] != domain]
+            total = counts[:, same].sum(axis=1) if same else np.zeros((counts.shape[0], H.NBINS), np.int64)
+            if other:
+                sign = -1 if domain == "unscaled" else 1
+                total = total + H.shift(counts[:, other].sum(axis=1), sign * self.log2_scales[rank])
             self._cache[key] = total
         return self._cache[key]
 
