@@ -104,10 +104,13 @@ def as_counts_source(source, *, step=None, tensor=None, kind=None, rank=None):
         r = source.rank_index(source.ranks[0] if rank is None else rank)
         idx = view.tensors_of(tensor, kind)
         counts = view.selection_counts(r, idx, "unscaled")
+        if len(idx) == 1:
+            who = f"{source.tensor_names[idx[0]]}"
+        else:
+            who = f"{len(idx)} {kind + ' ' if kind else ''}tensors"
         if step is None:
-            desc = f"all {source.hist_steps.size} recorded steps"
-            return counts.sum(axis=0), desc, source
-        return counts[source.hist_index(step)], f"step {step}", source
+            return counts.sum(axis=0), f"{who}, all {source.hist_steps.size} recorded steps", source
+        return counts[source.hist_index(step)], f"{who}, step {step}", source
     for name, value in (("step", step), ("tensor", tensor), ("kind", kind), ("rank", rank)):
         if value is not None:
             raise ValueError(f"{name}: only applies when the source is an ampviz.Run, got {name}={value!r}")

@@ -45,11 +45,11 @@ def field_values(format, sign: int, exponent: int, mantissa: int) -> dict:
         kind = "nan" if math.isnan(value) else "inf"
     elif exponent == 0:
         exp_text = f"0 → subnormal: 2<sup>{fmt.emin}</sup> (= 1 − bias {fmt.bias})"
-        man_text = f"0 + {mantissa}/2<sup>{m}</sup> = {mantissa / 2 ** m:.10g}"
+        man_text = f"0 + {mantissa}/2<sup>{m}</sup> = {mantissa / 2 ** m!r}"
         kind = "zero" if mantissa == 0 else "subnormal"
     else:
         exp_text = f"{exponent} − bias {fmt.bias} = {exponent - fmt.bias} → 2<sup>{exponent - fmt.bias}</sup>"
-        man_text = f"1 + {mantissa}/2<sup>{m}</sup> = {1 + mantissa / 2 ** m:.10g}"
+        man_text = f"1 + {mantissa}/2<sup>{m}</sup> = {1 + mantissa / 2 ** m!r}"
         kind = "normal"
     if exponent == all_ones and not fmt.has_inf and not math.isnan(value):
         exp_text += " (e4m3fn: still finite)"
@@ -163,4 +163,4 @@ def _result_text(fmt, sign, exponent, mantissa, decoded) -> str:
     power = fmt.emin if kind == "subnormal" else exponent - fmt.bias
     lead = 0 if kind == "subnormal" else 1
     frac = lead + mantissa / 2 ** fmt.mantissa_bits
-    return f"= {s}2<sup>{power}</sup> × {frac:.10g} = <b>{v!r}</b>   <i>({kind})</i>"
+    return f"= {s}2<sup>{power}</sup> × {frac!r} = <b>{v!r}</b>   <i>({kind})</i>"
