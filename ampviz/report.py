@@ -26,10 +26,10 @@ import numpy as np
 from . import __version__
 from . import histogram as H
 from .formats import get_format
-from .run import Run
+from .run import DOMAINS, Run
 
 __all__ = ["write_report", "report_html", "representative_steps", "summary_rows", "worst_without_scaling",
-           "format_scale"]
+           "pooled_counts", "tensor_counts_at", "format_scale"]
 
 
 def format_scale(value) -> str:
@@ -44,6 +44,37 @@ def _percent(fraction: float) -> str:
     return f"{100 * fraction:.3g}%"
 
 
+def _shifts(run: Run, domain: str, rank: int) -> tuple[list, np.ndarray]:
+    """Per tensor, the sign of the shift into ``domain`` (0: stored there), and the (H,) log2 scales."""
+    if domain not in DOMAINS:
+        raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
+    stored = run.meta.get("domains", {})
+    signs = [0 if domain == "recorded" or stored.get(k, "unscaled") == domain else (-1 if domain == "unscaled" else 1)
+             for k in run.tensor_kinds]
+    return signs, np.rint(run.scale_log2_at_hist()[rank]).astype(np.int64)
+
+
+def pooled_counts(run: Run, domain: str = "unscaled", rank: int = 0, kind=None) -> np.ndarray:
+    """(H, NBINS) counts of all tensors (or those of one ``kind``) of rank index ``rank`` in ``domain``.
+
+    Equal to ``run.counts_in(domain)[rank].sum(axis=1)`` (a power-of-two shift commutes with the
+    sum), without copying the whole counts array: tensors are summed per stored domain, then shifted.
+    """
+    signs, log2s = _shifts(run, domain, rank)
+    total = np.zeros((run.hist_steps.size, H.NBINS), dtype=np.int64)
+    for sign in set(signs):
+        idx = [t for t, (g, k) in enumerate(zip(signs, run.tensor_kinds)) if g == sign and kind in (None, k)]
+        if idx:
+            total += H.shift(run.counts[rank][:, idx].sum(axis=1), sign * log2s)
+    return total
+
+
+def tensor_counts_at(run: Run, row: int, domain: str = "unscaled", rank: int = 0) -> np.ndarray:
+    """(T, NBINS) counts of every tensor at histogram row ``row`` of rank index ``rank`` in ``domain``."""
+    signs, log2s = _shifts(run, domain, rank)
+    return H.shift(run.counts[rank, row], np.asarray(signs) * log2s[row])
+
+
 def worst_without_scaling(run: Run, format="fp16") -> tuple[float, str | None]:
     """Largest fraction of non-zero values of any tensor and step that would flush to zero in
     ``format`` if the loss were not scaled, and that tensor's name.
@@ -52,11 +83,15 @@ def worst_without_scaling(run: Run, format="fp16") -> tuple[float, str | None]:
     (fp16) backward produced them, so values already flushed there are zeros, not counted: for
     them it is a lower bound.
     """
-    if run.counts.size == 0:
-        return 0.0, None
-    flushed = H.fate(run.counts_in("unscaled"), format, 1.0).fraction("flushed")     # (R, H, T)
-    where = np.unravel_index(flushed.argmax(), flushed.shape)
-    return float(flushed[where]), run.tensor_names[int(where[2])]
+    worst, name = 0.0, None
+    for r in range(len(run.ranks)):
+        signs, log2s = _shifts(run, "unscaled", r)
+        for t, sign in enumerate(signs):            # one tensor at a time: no copy of the whole run
+            c = H.shift(run.counts[r, :, t], sign * log2s)                                   # (H, NBINS)
+            flushed = H.fate(c, format, 1.0).fraction("flushed")
+            if flushed.size and flushed.max() > worst:
+                worst, name = float(flushed.max()), run.tensor_names[t]
+    return worst, name
 
 
 def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
@@ -134,9 +169,18 @@ vertical-align:top}table.summary td{padding:3px 0;font-family:ui-monospace,Menlo
 nav a{margin-right:16px}"""
 
 
+_WITHOUT_SCALING = "worst underflow without scaling"
+
+
+def _shown_scale(why: str, recorded_log2: int) -> int:
+    """The log2 scale a histogram is shaded at: 0 (no scaling) for the "without scaling" pick."""
+    return 0 if why.startswith(_WITHOUT_SCALING) else int(recorded_log2)
+
+
 def representative_steps(run: Run, format="fp16", rank: int = 0) -> list[tuple[int, str]]:
     """Histogram steps worth showing, each with the reason: first, worst underflow, first skipped, last.
 
+    ``rank`` is a rank index.
     "Worst underflow" is the step whose values (all tensors) lose the largest share to zero in
     ``format`` at the loss scale the step used; when no step loses any, the step that would lose
     the most without scaling.
@@ -145,8 +189,8 @@ def representative_steps(run: Run, format="fp16", rank: int = 0) -> list[tuple[i
         return []
     fmt = get_format(format)
     picks = [(0, "first step")]
-    for domain, why in (("scaled", "worst underflow"), ("unscaled", "worst underflow without scaling")):
-        flushed = H.fate(run.counts_in(domain)[rank].sum(axis=1), fmt, 1.0).fraction("flushed")    # (H,)
+    for domain, why in (("scaled", "worst underflow"), ("unscaled", _WITHOUT_SCALING)):
+        flushed = H.fate(pooled_counts(run, domain, rank), fmt, 1.0).fraction("flushed")           # (H,)
         if flushed.max() > 0:
             picks.append((int(flushed.argmax()), f"{why}: {_percent(flushed.max())} flushed"))
             break
@@ -220,23 +264,47 @@ def _figure_html(fig, div_id: str) -> str:
 
 
 def _run_section(run: Run, label: str, fmt, anchor: str) -> str:
-    from .plots.histogram import histogram_figure
-    from .plots.trace import scale_trace_figure
+    from .plots import rank_comparison_figure, scale_trace_figure
     from .trace import trace_from_run
     parts = [f'<h2 id="{anchor}">{html.escape(label)}</h2>', rows_as_html(summary_rows(run, fmt))]
     if run.n_steps:
         ceiling = trace_from_run(run, fmt) if run.hist_steps.size and run.meta.get("scaler") else None
         parts.append(_figure_html(scale_trace_figure(run.steps, run.loss_scale[0], run.skipped[0], run.grown[0],
                                                      trace=ceiling, format=fmt), f"{anchor}-scale"))
+    if run.hist_steps.size:
+        parts += _histogram_parts(run, fmt, anchor)
+    if len(run.ranks) > 1 and run.hist_steps.size:
+        parts.append("<h3>Ranks</h3>" + _note("One line per rank: lines that should coincide and do not point "
+                                              "at a rank that diverged."))
+        parts.append(_figure_html(rank_comparison_figure(run, fmt), f"{anchor}-ranks"))
+    return "".join(parts)
+
+
+def _note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
+
+
+def _histogram_parts(run: Run, fmt, anchor: str) -> list[str]:
+    """Histograms at representative steps (all tensors), per tensor at the worst step, heatmaps (rank 0)."""
+    from .plots import heatmap_figure, histogram_figure, layer_histograms_figure
+    pooled = pooled_counts(run, "unscaled")                                    # (H, NBINS)
+    log2s = np.rint(run.scale_log2_at_hist()[0]).astype(int)                   # (H,)
     steps = representative_steps(run, fmt)
-    if steps:
-        parts.append(f"<h3>Gradient magnitudes against {fmt.name}</h3><p class=\"note\">All tensors of rank "
-                     f"{run.ranks[0]}, unscaled; the shading shows where each value lands at the loss scale "
-                     "that step used.</p>")
-    log2s = np.rint(run.scale_log2_at_hist()[0]).astype(int) if run.hist_steps.size else []
-    unscaled = run.counts_in("unscaled")[0] if steps else None
+    parts = [f"<h3>Gradient magnitudes against {fmt.name}</h3>" + _note(
+        f"All tensors of rank {run.ranks[0]}, unscaled; the shading shows where each value lands at the loss "
+        "scale that step used (at scale 1 for the step that would lose most without scaling).")]
     for step, why in steps:
         h = run.hist_index(step)
-        fig = histogram_figure(unscaled[h], fmt, int(log2s[h]), title=f"Step {step} ({why})")
+        fig = histogram_figure(pooled[h], fmt, _shown_scale(why, log2s[h]), title=f"Step {step} ({why})")
         parts.append(_figure_html(fig, f"{anchor}-hist-{step}"))
-    return "".join(parts)
+    step, why = next(((s, w) for s, w in steps if w.startswith("worst")), steps[-1])
+    h = run.hist_index(step)
+    fig = layer_histograms_figure(tensor_counts_at(run, h), run.tensor_names, fmt, _shown_scale(why, log2s[h]),
+                                  title=f"Gradient magnitudes per tensor, step {step}")
+    parts += [f"<h3>Per tensor at step {step} ({why})</h3>", _figure_html(fig, f"{anchor}-tensors"),
+              "<h3>Over the run</h3>"]
+    for kind in dict.fromkeys(run.tensor_kinds):
+        fig = heatmap_figure(pooled_counts(run, "unscaled", kind=kind), run.hist_steps, fmt, log2s,
+                             title=f"{kind.capitalize()} gradients per step (unscaled)")
+        parts.append(_figure_html(fig, f"{anchor}-heatmap-{kind}"))
+    return parts

@@ -15,7 +15,14 @@ import ampviz
 from ampviz import histogram as H
 from ampviz.cli import main
 from ampviz.demo import DEMO_SETTINGS, train_demo
-from ampviz.report import format_scale, representative_steps, summary_rows
+from ampviz.report import (
+    format_scale,
+    pooled_counts,
+    representative_steps,
+    summary_rows,
+    tensor_counts_at,
+    worst_without_scaling,
+)
 from ampviz.scaler import TorchPolicy, replay
 
 DEMO_STEPS = 150      # the demo's scale reaches 2**21 by step ~100 and starts backing off
@@ -165,6 +172,18 @@ def test_report_is_self_contained_and_holds_the_runs_data(run_path, tmp_path, ca
     assert f"Step {last} (last step)" in layout["title"]["text"]
     first_skip = int(run.steps[run.skipped[0]][0])
     assert f"run0-hist-{first_skip}" in figures and "Step 0 (first step)" in page
+    # the step that would lose most without scaling is shaded at scale 1, and says how much
+    unscaled = fp16_flushed_fraction(run.counts_in("unscaled")[0].sum(axis=1))
+    worst = int(run.hist_steps[unscaled.argmax()])
+    data, layout = figures[f"run0-hist-{worst}"]
+    flushed = next(a for a in layout["annotations"] if a.get("name") == "fraction:flushed")
+    assert f"{100 * unscaled.max():.1f}%" in flushed["text"] and "loss scale 2<sup>0</sup>" in layout["title"]["text"]
+    data, _ = figures["run0-tensors"]
+    assert [t["name"] for t in data] == run.tensor_names
+    for kind in ("weight", "activation"):
+        data, _ = figures[f"run0-heatmap-{kind}"]
+        np.testing.assert_array_equal(array(data[0]["x"]), run.hist_steps)
+    assert "run0-ranks" not in figures                     # one rank: no per-rank comparison
     for label, text in summary_rows(run):
         assert f"<th>{html.escape(label)}</th><td>{html.escape(text)}</td>" in page
 
@@ -177,6 +196,8 @@ def test_report_of_several_runs_has_a_section_each(run_path, ranks_dir, tmp_path
     page = out.read_text()
     figures = plotly_figures(page)
     assert "run0-scale" in figures and "run1-scale" in figures
+    data, _ = figures["run1-ranks"]                        # the directory of ranks: one line per rank
+    assert {"rank 0 scale", "rank 1 scale"} <= {t["name"] for t in data} and "run0-ranks" not in figures
     assert f'<a href="#run1">{ranks_dir}</a>' in page and "<title>two runs</title>" in page
     assert "2 ranks" in page and "1 rank," in page
 
@@ -200,6 +221,21 @@ def test_representative_steps_are_first_worst_skipped_last(run_path):
     worst = int(run.hist_steps[unscaled.argmax()])
     assert picks[worst] == f"worst underflow without scaling: {100 * unscaled.max():.3g}% flushed"
     assert len(picks) == 4
+
+
+@pytest.mark.parametrize("domain", ["unscaled", "scaled", "recorded"])
+def test_lean_domain_views_equal_run_counts_in(ranks_dir, domain):
+    run = ampviz.Run.load(ranks_dir)
+    full = run.counts_in(domain)                                                   # (R, H, T, NBINS)
+    activations = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
+    for r in range(len(run.ranks)):
+        np.testing.assert_array_equal(pooled_counts(run, domain, r), full[r].sum(axis=1))
+        np.testing.assert_array_equal(pooled_counts(run, domain, r, kind="activation"),
+                                      full[r][:, activations].sum(axis=1))
+        np.testing.assert_array_equal(tensor_counts_at(run, 3, domain, r), full[r, 3])
+    flushed = H.fate(run.counts_in("unscaled"), "fp16", 1.0).fraction("flushed")      # (R, H, T)
+    worst, name = worst_without_scaling(run)
+    assert worst == flushed.max() and name == run.tensor_names[np.unravel_index(flushed.argmax(), flushed.shape)[2]]
 
 
 # ---------------------------------------------------------------------------- errors

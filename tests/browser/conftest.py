@@ -5,7 +5,8 @@ runs as root) with fresh config / data / runtime / IPython directories under pyt
 two user settings: the default kernel starts without a dialog, and no news is fetched. Its
 teardown deletes every session and kernel through the REST API and stops the server by PID,
 also when the test failed. ``page`` is a Playwright page in ``/usr/bin/chromium`` with a fresh
-profile. Everything is skipped, with the reason, when Chromium is not installed.
+profile. Everything is skipped, with the reason, when Chromium is not installed (set
+``AMPVIZ_CHROMIUM`` to use a Chromium elsewhere).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(os.environ.get("AMPVIZ_CHROMIUM", "/usr/bin/chromium"))     # CI installs it with apt-get
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 HERE = Path(__file__).resolve().parent
@@ -116,8 +117,8 @@ def _stop(lab: Lab) -> None:
 @pytest.fixture(scope="session")
 def chromium() -> Path:
     if not CHROMIUM.exists():
-        pytest.skip(f"the browser test needs Chromium at {CHROMIUM} (CI installs it with apt-get; "
-                    "locally: apt-get install chromium)")
+        pytest.skip(f"the browser test needs Chromium at {CHROMIUM} (CI installs it with apt-get; locally: "
+                    "apt-get install chromium, or set AMPVIZ_CHROMIUM to its path)")
     return CHROMIUM
 
 
@@ -152,7 +153,7 @@ def page(chromium, tmp_path):
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"), executable_path=str(chromium), headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
+            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1800})
         try:
             pg = context.pages[0] if context.pages else context.new_page()
             pg.errors = []

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
+import nbformat
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 NOTEBOOK = "widgets.ipynb"
-WIDGETS = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground"]
+WIDGETS = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground", "RunDashboard"]
 DONE_TEXT = "all widgets displayed"
 
 # A fingerprint of every plotly graph inside a container: per trace, length, sum and
@@ -169,3 +171,14 @@ def test_widgets_render_and_sliders_update_plots(lab, page, tmp_path):
         page.screenshot(path=str(shots / "page.png"), full_page=True)
         print(f"screenshots in {shots}")
     assert not page.errors, f"errors in the page: {page.errors[:5]}"
+
+
+def test_widget_notebook_is_stripped_and_shows_every_widget():
+    """No browser needed: the notebook this test drives is committed stripped and tags each widget."""
+    nb = nbformat.read(Path(__file__).with_name(NOTEBOOK), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "strip the notebook's outputs"
+    assert "widgets" not in nb.metadata and nb.metadata.kernelspec.name == "python3"
+    for name in WIDGETS:
+        assert any(f'add_class("ampviz-test-{name}")' in c.source for c in code), f"{name} is not displayed"
+    assert DONE_TEXT in code[-1].source
