@@ -232,7 +232,7 @@ def test_long_runs_sum_windows_of_steps_into_columns():
     assert z.shape[1] == -(-n // 3)                             # windows of 3 steps
     row = list(np.asarray(fig.data[0].y)).index(-9.5)
     assert 10 ** z[row, 1] == pytest.approx(3 + 4 + 5) and fig.data[0].x[1] == 4.0
-    assert "each column sums 3 steps" in fig.layout.title.subtitle.text
+    assert "each column sums 3 steps" in fig.layout.title.text
 
 
 def test_heatmap_rejects_bad_input():

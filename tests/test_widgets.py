@@ -302,7 +302,7 @@ def test_dashboard_selectors_change_what_is_shown():
     d.kind_buttons.value = "activation"
     assert list(d.tensor_dropdown.options) == ["all tensors", "fc"]
     np.testing.assert_array_equal(d.counts, run.counts_in("unscaled")[0, 2, 1])
-    assert d.heatmap.layout.title.text == "all activation tensors, rank 0"
+    assert d.heatmap.layout.title.text.startswith("all activation tensors, rank 0<br>")
     d.kind_buttons.value = "all"
     d.tensor_dropdown.value = "fc.weight"
     np.testing.assert_array_equal(d.counts, run.counts[0, 2, 0])
@@ -321,7 +321,7 @@ def test_dashboard_rank_selector_redraws_that_ranks_trace():
     d.rank_dropdown.value = 1
     np.testing.assert_array_equal(d.trace.data[TRACES["recorded"]].y, np.log2(run.loss_scale[1]))
     np.testing.assert_array_equal(d.counts, run.counts_in("unscaled")[1, 0].sum(axis=0))
-    assert d.trace.layout.title.text == "Loss scale, rank 1"
+    assert d.trace.layout.title.text.startswith("Loss scale, rank 1<br>")
 
 
 def test_dashboard_is_built_with_its_final_initial_state():

@@ -18,7 +18,8 @@ import re
 import numpy as np
 
 __all__ = ["OKABE_ITO", "REGIONS", "REGION_COLORS", "REGION_LABELS", "DATA_COLOR", "ZERO_COLOR",
-           "log2_ticks", "short_number", "pow2_text", "base_layout", "swatch", "percent", "apply_layout"]
+           "log2_ticks", "short_number", "pow2_text", "base_layout", "swatch", "percent", "apply_layout",
+           "title_text", "retitle"]
 
 OKABE_ITO = {"black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
              "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7"}
@@ -85,11 +86,34 @@ def swatch(color: str) -> str:
     return f'<span style="color:{color}">■</span>'
 
 
-def base_layout(title: str | None = None, subtitle: str | None = None, height: int = 420, **kw) -> dict:
-    """Layout shared by every figure: white background, no grid clutter, readable font."""
+def title_text(title: str, subtitle: str | None = None) -> str:
+    """A title with its subtitle as a smaller grey second line, in one text.
+
+    Plotly's ``title.subtitle`` is placed from the title's measured size; in a FigureWidget first
+    drawn off-screen (JupyterLab renders cells below the fold lazily) it lands above the title.
+    One text with a line break has no such failure.
+    """
+    return title if not subtitle else f"{title}<br><span style='font-size:12px;color:#555555'>{subtitle}</span>"
+
+
+def retitle(text: str, title: str) -> str:
+    """``text`` (a :func:`title_text`) with its first line replaced by ``title``, its subtitle kept."""
+    _, sep, rest = (text or "").partition("<br>")
+    return title + sep + rest
+
+
+def base_layout(title: str | None = None, subtitle: str | None = None, height: int = 420,
+                inline_subtitle: bool = False, **kw) -> dict:
+    """Layout shared by every figure: white background, no grid clutter, readable font.
+
+    ``inline_subtitle`` puts the subtitle into the title text (see :func:`title_text`) instead of
+    plotly's ``title.subtitle``; ampviz's own widget figures use it.
+    """
     layout = dict(template="simple_white", font=FONT, height=height, margin=dict(l=70, r=30, t=90, b=70),
                   hoverlabel=dict(font_size=12), showlegend=False)
-    if title is not None:
+    if title is not None and inline_subtitle:
+        layout["title"] = dict(text=title_text(title, subtitle), x=0.01, xanchor="left", font=dict(size=16))
+    elif title is not None:
         layout["title"] = dict(text=title, x=0.01, xanchor="left", font=dict(size=16),
                                subtitle=dict(text=subtitle or "", font=dict(size=12, color="#555555")))
     layout.update(kw)

@@ -14,7 +14,7 @@ import math
 import plotly.graph_objects as go
 
 from ..formats import get_format
-from ._style import OKABE_ITO, apply_layout, base_layout
+from ._style import OKABE_ITO, apply_layout, base_layout, title_text
 
 __all__ = ["bits_figure", "set_bits", "field_values", "bit_cells"]
 
@@ -94,7 +94,7 @@ def bits_figure(value=1.0, format="fp16", *, fields=None, height: int = 300) -> 
                       line=dict(color=_FIELD_COLORS[f][0], width=2.5))
     fig.add_annotation(name="result", xref="paper", x=0.0, xanchor="left", y=-1.5, yanchor="top",
                        showarrow=False, font=dict(size=15))
-    fig.update_layout(**base_layout(*_titles(fmt), height=height,
+    fig.update_layout(**base_layout(*_titles(fmt), height=height, inline_subtitle=True,
                                     margin=dict(l=20, r=20, t=70, b=20)))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, range=[-2.3, 1.3])
@@ -122,7 +122,7 @@ def set_bits(fig, format, sign: int, exponent: int, mantissa: int) -> None:
     heat = fig.data[0]
     heat.z, heat.text, heat.x = [codes], [digits], list(range(n))
     title, subtitle = _titles(fmt)
-    d = {"title.text": title, "title.subtitle.text": subtitle, "xaxis.range": [-0.6, n - 0.4]}
+    d = {"title.text": title_text(title, subtitle), "xaxis.range": [-0.6, n - 0.4]}
     spans = {"sign": (0, 0), "exponent": (1, fmt.exponent_bits), "mantissa": (fmt.exponent_bits + 1, n - 1)}
     widths = {"sign": 1, "exponent": fmt.exponent_bits, "mantissa": fmt.mantissa_bits}
     decoded = field_values(fmt, sign, exponent, mantissa)

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 
 from .. import histogram as H
 from ..formats import get_format
-from ._style import REGION_COLORS, apply_layout, base_layout, log2_ticks
+from ._style import REGION_COLORS, apply_layout, base_layout, log2_ticks, title_text
 from .histogram import binade_positions, check_domain, region_edges
 
 __all__ = ["heatmap_figure", "heatmap_matrix", "heatmap_rows", "set_heatmap", "set_limit_lines", "set_cursor",
@@ -100,6 +100,7 @@ def heatmap_figure(counts, steps, format="fp16", log2_scale=0, *, domain: str = 
                                  hovertemplate=f"step %{{x}}: {label} 2^%{{y:.2f}}<extra></extra>"))
     fig.add_vline(x=float(steps[0]), name="cursor", visible=False, line=dict(color="#000000", width=1, dash="dot"))
     fig.update_layout(**base_layout(title, _subtitle(format, domain), height=height, showlegend=True,
+                                    inline_subtitle=True,
                                     legend=dict(orientation="h", x=1.0, xanchor="right", y=1.0, yanchor="bottom"),
                                     margin=dict(l=80, r=30, t=90, b=60)))
     fig.update_xaxes(title_text="optimizer step", ticks="outside")
@@ -126,11 +127,13 @@ def _check(counts, steps, log2_scale):
     return c, steps, log2s.astype(np.int64)
 
 
-def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled", matrix=None, rows=None) -> None:
+def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled", matrix=None, rows=None,
+                title: str | None = None) -> None:
     """Redraw a heatmap figure for new counts / scales / format (in place).
 
     ``matrix`` (the pair from :func:`heatmap_matrix`) and ``rows`` (:func:`heatmap_rows`) may be passed
-    precomputed, which is what widgets do to keep updates fast.
+    precomputed, which is what widgets do to keep updates fast. ``title`` replaces the title
+    (default: keep it).
     """
     c, steps, log2s = _check(counts, steps, log2_scale)
     rows = heatmap_rows(c) if rows is None else rows
@@ -155,7 +158,8 @@ def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled"
     ticks, text = log2_ticks(lo, hi, 8)
     apply_layout(fig, {"yaxis.range": [lo, hi], "yaxis.tickvals": ticks, "yaxis.ticktext": text,
                        "yaxis.title.text": f"|gradient| ({check_domain(domain)}, log2)",
-                       "title.subtitle.text": _subtitle(format, domain, window)})
+                       "title.text": title_text(title if title is not None else fig.layout.title.text.split("<br>")[0],
+                                                _subtitle(format, domain, window))})
     set_limit_lines(fig, steps, format, log2s)
 
 

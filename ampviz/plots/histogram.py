@@ -36,6 +36,7 @@ from ._style import (
     log2_ticks,
     percent,
     swatch,
+    title_text,
 )
 
 __all__ = ["histogram_figure", "region_edges", "histogram_x_range", "set_regions", "set_fractions", "set_counts",
@@ -160,9 +161,9 @@ def histogram_figure(counts, format="fp16", log2_scale=0, *, domain: str = "unsc
     for i, r in enumerate(REGIONS):
         fig.add_annotation(name=f"fraction:{r}", text="", xref="paper", yref="paper", x=0.07 + 0.22 * i,
                            y=1.0, xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=13))
-    ticks, text = log2_ticks(lo, hi)
+    ticks, text = _main_ticks(lo, hi)
     fig.update_layout(**base_layout(_title(title, fmt, s), _subtitle(fmt, s, domain), height=height,
-                                    bargap=0, margin=dict(l=70, r=20, t=100, b=80)))
+                                    inline_subtitle=True, bargap=0, margin=dict(l=70, r=20, t=100, b=80)))
     fig.update_xaxes(range=[lo, hi], tickvals=ticks, ticktext=text, ticks="outside", row=1, col=2,
                      title_text=f"|gradient| ({domain}, log2 scale)")
     fig.update_yaxes(title_text="values (count)", row=1, col=1)
@@ -180,8 +181,7 @@ def set_title(fig, title: str, format, log2_scale, domain: str = "unscaled", upd
     """Rewrite a histogram figure's title and subtitle for ``format`` at ``2**log2_scale`` (in place)."""
     fmt, s = get_format(format), check_log2_scale(log2_scale)
     d = {} if updates is None else updates
-    d["title.text"] = _title(title, fmt, s)
-    d["title.subtitle.text"] = _subtitle(fmt, s, check_domain(domain))
+    d["title.text"] = title_text(_title(title, fmt, s), _subtitle(fmt, s, check_domain(domain)))
     d["xaxis2.title.text"] = f"|gradient| ({domain}, log2 scale)"
     if updates is None:
         apply_layout(fig, d)
@@ -190,11 +190,18 @@ def set_title(fig, title: str, format, log2_scale, domain: str = "unscaled", upd
 def set_x_range(fig, x_range, updates: dict | None = None) -> None:
     """Set the log2 axis range of a histogram figure and its ticks (in place)."""
     lo, hi = _check_range(x_range)
-    ticks, text = log2_ticks(lo, hi)
+    ticks, text = _main_ticks(lo, hi)
     d = {} if updates is None else updates
     d.update({"xaxis2.range": [lo, hi], "xaxis2.tickvals": ticks, "xaxis2.ticktext": text})
     if updates is None:
         apply_layout(fig, d)
+
+
+def _main_ticks(lo: float, hi: float) -> tuple:
+    """log2 ticks of the main panel, none in its leftmost 6%: a label there runs into "exact 0"."""
+    ticks, text = log2_ticks(lo, hi)
+    keep = [i for i, v in enumerate(ticks) if v >= lo + 0.06 * (hi - lo)]
+    return [ticks[i] for i in keep], [text[i] for i in keep]
 
 
 def _title(title: str, fmt, s: int) -> str:

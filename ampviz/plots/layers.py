@@ -80,7 +80,7 @@ def layer_histograms_figure(counts, names, format="fp16", log2_scale=0, *, domai
     fig.update_annotations(font_size=11)
     subtitle = (f"shading: the fate of each value × 2<sup>{s}</sup> cast to {fmt.name} (red flush to zero, orange "
                 f"subnormal, green normal, purple overflow); titles: shares of non-zero values")
-    fig.update_layout(**base_layout(title, subtitle, height=120 + panel_height * rows, bargap=0,
+    fig.update_layout(**base_layout(title, subtitle, height=120 + panel_height * rows, bargap=0, inline_subtitle=True,
                                     margin=dict(l=50, r=20, t=110, b=60)))
     return fig
 

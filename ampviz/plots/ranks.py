@@ -74,7 +74,7 @@ def rank_comparison_figure(run: Run, format="fp16", *, tensors=None, kind=None,
                                  legendgroup=str(rank), showlegend=False), 3, 1)
     what = kind or ("selected tensors" if tensors is not None else "all tensors")
     fig.update_layout(**base_layout(title, f"{len(run.ranks)} rank(s), {fmt.name}; gradient panels: {what}, "
-                                    f"unscaled; × skipped step", height=height, showlegend=True,
+                                    f"unscaled; × skipped step", height=height, showlegend=True, inline_subtitle=True,
                                     legend=dict(orientation="h", x=1, xanchor="right", y=1.0, yanchor="bottom")))
     _axes(fig, run, fmt)
     return fig

@@ -89,7 +89,7 @@ def scale_trace_figure(steps, loss_scale, skipped=None, grown=None, *, replay=No
     fig.add_vline(x=0, visible=False, line=dict(color=REPLAY_COLOR, dash="dot", width=1.5), name="replay stop")
     lo, hi = _y_range([y, ceiling] + ([log2_or_none(replay.scale)] if replay is not None else []))
     ticks, text = log2_ticks(lo, hi, decimals=False)
-    fig.update_layout(**base_layout(title, _subtitle(format, trace is not None), height=height,
+    fig.update_layout(**base_layout(title, _subtitle(format, trace is not None), height=height, inline_subtitle=True,
                                     showlegend=True, legend=dict(x=1.02, y=1.0, yanchor="top"),
                                     margin=dict(l=70, r=20, t=80, b=60)))
     fig.update_xaxes(title_text="optimizer step", ticks="outside")

@@ -26,7 +26,7 @@ import numpy as np
 from .. import histogram as H
 from ..formats import get_format
 from ..plots._runview import RunView
-from ..plots._style import REGIONS, apply_layout
+from ..plots._style import REGIONS, apply_layout, retitle
 from ..plots.heatmap import heatmap_figure, heatmap_matrix, heatmap_rows, set_cursor, set_heatmap
 from ..plots.histogram import (
     check_domain,
@@ -74,7 +74,8 @@ class RunDashboard(W.VBox):
         for control in (self.kind_buttons, self.tensor_dropdown, self.rank_dropdown, self.domain_buttons):
             control.observe(self._on_selection, "value")
         self.step_slider.observe(self._on_step, "value")
-        selectors = W.HBox([self.kind_buttons, self.tensor_dropdown, self.rank_dropdown, self.domain_buttons])
+        selectors = W.VBox([W.HBox([self.kind_buttons, self.domain_buttons]),
+                            W.HBox([self.tensor_dropdown, self.rank_dropdown])])
         super().__init__([selectors, self.step_slider, self.heatmap, self.histogram, self.readout, self.trace])
 
     # ------------------------------------------------------------------ controls
@@ -83,7 +84,8 @@ class RunDashboard(W.VBox):
         kinds = sorted(set(run.tensor_kinds))
         if kind is not None and kind not in kinds:
             raise ValueError(f"kind: expected one of {kinds} or None, got {kind!r}")
-        self.kind_buttons = W.ToggleButtons(options=["all"] + kinds, value=kind or "all", description="kind")
+        buttons = {"style": {"button_width": "84px"}, "layout": W.Layout(width="auto")}
+        self.kind_buttons = W.ToggleButtons(options=["all"] + kinds, value=kind or "all", description="kind", **buttons)
         names = self._names_for(kind or "all")
         tensor = ALL_TENSORS if tensor is None else run.tensor_names[run.tensor_index(tensor)]
         if tensor not in names:
@@ -92,7 +94,8 @@ class RunDashboard(W.VBox):
         self.rank_dropdown = W.Dropdown(options=run.ranks, value=run.ranks[0] if rank is None else rank,
                                         description="rank")
         run.rank_index(self.rank_dropdown.value)
-        self.domain_buttons = W.ToggleButtons(options=["unscaled", "scaled"], value=domain, description="values")
+        self.domain_buttons = W.ToggleButtons(options=["unscaled", "scaled"], value=domain, description="values",
+                                              **buttons)
         steps = [int(s) for s in run.hist_steps]
         start = steps[0] if step is None else int(step)
         run.hist_index(start)                                  # a clear KeyError for a step without histograms
@@ -187,15 +190,15 @@ class RunDashboard(W.VBox):
         d, r = self._data(), self.run.rank_index(self.rank_dropdown.value)
         with self.heatmap.batch_update():
             set_heatmap(self.heatmap, d["counts"], self.run.hist_steps, self.format, d["log2s"],
-                        self.domain_buttons.value, matrix=d["matrix"], rows=d["rows"])
-            self.heatmap.layout.title.text = self._what()
+                        self.domain_buttons.value, matrix=d["matrix"], rows=d["rows"], title=self._what())
         with self.histogram.batch_update():
             set_x_range(self.histogram, d["x_range"])        # before the regions, which clip to it
         if change["owner"] is self.rank_dropdown:
             with self.trace.batch_update():
                 set_recorded(self.trace, self.run.steps, self.run.loss_scale[r], self.run.skipped[r],
                              self.run.grown[r])
-                self.trace.layout.title.text = f"Loss scale, rank {self.rank_dropdown.value}"
+                self.trace.layout.title.text = retitle(self.trace.layout.title.text,
+                                                       f"Loss scale, rank {self.rank_dropdown.value}")
         self._on_step()
 
     def _readout_html(self) -> str:
