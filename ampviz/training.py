@@ -67,7 +67,7 @@ class TrainResult:
     run: Run | None               # the recorded run (None with ``record=False``)
     losses: np.ndarray            # (steps,) training loss of each step's batch
     weights_changed: np.ndarray   # (steps,) bool: the optimizer step changed some parameter
-    test_accuracy: float          # accuracy on the test split after training
+    test_accuracy: float          # accuracy on the test split after training (nan for regression)
     seconds: float                # wall time of the loop
     model: torch.nn.Module
 
@@ -102,7 +102,8 @@ def train_classifier(model: torch.nn.Module, data: Split, *, steps: int, batch_s
         (its ``scale``/``step``/``update`` then pass through).
     seed : seeds the batch order (the model's own seed is set where it is built).
     record : record the run with :class:`ampviz.Recorder` (``every``, ``activations`` passed on).
-    loss_fn : ``loss_fn(model(x), y)``; mean cross-entropy by default.
+    loss_fn : ``loss_fn(model(x), y)``; mean cross-entropy by default (give your own, e.g. an MSE,
+        for a regression Split, whose ``n_classes`` is 0: its test accuracy is then nan).
     progress : show a tqdm bar.
 
     Returns
@@ -141,8 +142,9 @@ def train_classifier(model: torch.nn.Module, data: Split, *, steps: int, batch_s
             losses[step] = loss.detach()
             changed[step] = _changed_and_copy(params, before)
     seconds = time.perf_counter() - start
+    test_accuracy = accuracy(model, data.x_test, data.y_test) if data.n_classes else float("nan")
     return TrainResult(recorder.run if record else None, losses.cpu().numpy(), changed.cpu().numpy(),
-                       accuracy(model, data.x_test, data.y_test), seconds, model)
+                       test_accuracy, seconds, model)
 
 
 def _changed_and_copy(params, before) -> torch.Tensor:
