@@ -102,7 +102,7 @@ def heatmap_figure(counts, steps, format="fp16", log2_scale=0, *, domain: str = 
     fig.update_layout(**base_layout(title, _subtitle(format, domain), height=height, showlegend=True,
                                     inline_subtitle=True,
                                     legend=dict(orientation="h", x=1.0, xanchor="right", y=1.0, yanchor="bottom"),
-                                    margin=dict(l=80, r=30, t=90, b=60)))
+                                    margin=dict(l=80, r=30, t=105, b=60)))
     fig.update_xaxes(title_text="optimizer step", ticks="outside")
     fig.update_yaxes(ticks="outside")
     set_heatmap(fig, c, steps, format, log2s, domain)

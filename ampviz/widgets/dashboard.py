@@ -84,7 +84,7 @@ class RunDashboard(W.VBox):
         kinds = sorted(set(run.tensor_kinds))
         if kind is not None and kind not in kinds:
             raise ValueError(f"kind: expected one of {kinds} or None, got {kind!r}")
-        buttons = {"style": {"button_width": "84px"}, "layout": W.Layout(width="auto")}
+        buttons = {"style": {"button_width": "96px"}, "layout": W.Layout(width="auto")}
         self.kind_buttons = W.ToggleButtons(options=["all"] + kinds, value=kind or "all", description="kind", **buttons)
         names = self._names_for(kind or "all")
         tensor = ALL_TENSORS if tensor is None else run.tensor_names[run.tensor_index(tensor)]
