@@ -42,10 +42,16 @@ def _checksum(module) -> float:
     return float(sum(p.detach().double().sum() for p in module.parameters()))
 
 
-def _shard(rank: int, world: int):
-    """This rank's share of the digits training set (every world-th example)."""
+def _shard(env):
+    """This rank's share of the digits training set (every world-th example), on its device."""
     d = digits(seed=0)
-    return d.x_train[rank::world], d.y_train[rank::world]
+    return d.x_train[env.rank::env.world_size].to(env.device), d.y_train[env.rank::env.world_size].to(env.device)
+
+
+def _ddp(module, env) -> DDP:
+    """Wrap ``module`` (moved to this rank's device) in DDP; the constructor broadcasts rank 0's weights."""
+    module = module.to(env.device)
+    return DDP(module, device_ids=[env.device] if env.device.type == "cuda" else None)
 
 
 def hello() -> dict:
@@ -74,9 +80,9 @@ def sampler_shares(n: int, epochs: int, seed: int = 0) -> dict:
 def reductions() -> dict:
     """This rank's loss on its data shard, then ``all_reduce`` (sum, every rank) vs ``reduce`` (to rank 0)."""
     env = init_from_env(timeout=30)
-    x, y = _shard(env.rank, env.world_size)
+    x, y = _shard(env)
     with torch.no_grad():
-        loss = F.cross_entropy(small_model(0)(x), y)          # the same model, different data per rank
+        loss = F.cross_entropy(small_model(0).to(env.device)(x), y)          # the same model, different data per rank
     summed = loss.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)             # every rank receives the sum
     reduced = loss.clone()
@@ -102,15 +108,16 @@ def rank0_evaluation(path: str, use_barrier: bool, eval_seconds: float = 1.0) ->
     barrier, or in the next step's all-reduce), and a checksum of its parameters after one more step.
     """
     env = init_from_env(timeout=60)
-    x, y = _shard(env.rank, env.world_size)
-    ddp = DDP(small_model(0))
+    x, y = _shard(env)
+    ddp = _ddp(small_model(0), env)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     _train_steps(ddp, opt, x, y, 1)
     start = time.perf_counter()
     if env.rank == 0:
         d = digits(seed=0)
         with torch.no_grad():
-            accuracy = float((ddp.module(d.x_test).argmax(1) == d.y_test).float().mean())
+            pred = ddp.module(d.x_test.to(env.device)).argmax(1).cpu()
+            accuracy = float((pred == d.y_test).float().mean())
         time.sleep(eval_seconds)
         torch.save({"model": ddp.module.state_dict(), "accuracy": accuracy}, path)
     evaluate_seconds = time.perf_counter() - start
@@ -131,15 +138,15 @@ def restore_and_broadcast(path: str, lr: float = 1e-3) -> dict:
     """Resume from a checkpoint the way the seed does: model on rank 0 then DDP's broadcast; optimizer
     state restored on every rank, or (the mistake) on rank 0 only. One step each; checksums returned."""
     env = init_from_env(timeout=60)
-    x, y = _shard(env.rank, env.world_size)
+    x, y = _shard(env)
     out = {"rank": env.rank}
     for variant in ("every_rank", "rank0_only"):
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)   # every rank reads the file
-        model = small_model(100 + env.rank)                  # deliberately different weights per rank
+        ckpt = torch.load(path, map_location=env.device, weights_only=True)   # every rank reads the file
+        model = small_model(100 + env.rank).to(env.device)   # deliberately different weights per rank
         if env.rank == 0:
             model.load_state_dict(ckpt["model"])
         before = _checksum(model)
-        ddp = DDP(model)                                      # broadcasts rank 0's parameters to all
+        ddp = _ddp(model, env)                                # broadcasts rank 0's parameters to all
         after = _checksum(model)
         matches = all(torch.equal(p, ckpt["model"][k]) for k, p in model.state_dict().items())
         opt = torch.optim.Adam(ddp.parameters(), lr=lr)
@@ -160,10 +167,10 @@ def accumulation_all_reduces(accum: int = 4, batch: int = 32) -> dict:
     backward) and the values they carry; the final gradients of both variants are returned.
     """
     env = init_from_env(timeout=60)
-    x, y = _shard(env.rank, env.world_size)
+    x, y = _shard(env)
     out = {"rank": env.rank}
     for label, use_no_sync in (("no_sync", True), ("every_backward", False)):
-        ddp = DDP(small_model(0))
+        ddp = _ddp(small_model(0), env)
         sent = []
 
         def counting_hook(state, bucket, sent=sent):
@@ -177,14 +184,14 @@ def accumulation_all_reduces(accum: int = 4, batch: int = 32) -> dict:
                 sl = slice(batch * i, batch * (i + 1))
                 (F.cross_entropy(ddp(x[sl]), y[sl]) / accum).backward()
         out[label] = {"all_reduce_calls": len(sent), "values_all_reduced": sum(sent),
-                      "grads": [p.grad.detach().clone() for p in ddp.module.parameters()]}
+                      "grads": [p.grad.detach().cpu().clone() for p in ddp.module.parameters()]}
     return out
 
 
 def main() -> None:
     """Under torchrun: say hello from every rank, then all-reduce each rank's number."""
     info = hello()
-    value = torch.tensor([float(info["rank"] + 1)])
+    value = torch.tensor([float(info["rank"] + 1)], device=info["device"])
     dist.all_reduce(value)
     print(f"rank {info['rank']} of {info['world_size']} (pid {info['pid']}, backend {info['backend']}, "
           f"device {info['device']}): all_reduce(rank + 1) = {value.item():g}", flush=True)
