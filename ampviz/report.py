@@ -114,8 +114,9 @@ def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
     if run.n_steps:
         loss = run.loss[0]
         rows.append(("loss", f"{loss[0]:.4g} at step {run.steps[0]} -> {loss[-1]:.4g} at step {run.steps[-1]}"))
-    rows.append(("loss scale", f"{format_scale(s['scale_min'])} .. {format_scale(s['scale_max'])}; "
-                               + _scaler_text(s["scaler"])))
+    constant = s["scale_min"] == s["scale_max"]
+    scale_range = format_scale(s["scale_min"]) + (" (constant)" if constant else f" .. {format_scale(s['scale_max'])}")
+    rows.append(("loss scale", f"{scale_range}; {_scaler_text(s['scaler'])}"))
     rows.append(("skipped", _skipped_text(run)))
     kinds = {k: run.tensor_kinds.count(k) for k in dict.fromkeys(run.tensor_kinds)}
     domains = run.meta.get("domains", {})
@@ -124,8 +125,9 @@ def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
     rows.append((f"{fmt.name} at the recorded scale",
                  f"worst flushed to zero {_worst(s['worst_flushed_fraction'], s['worst_flushed_tensor'])}; "
                  f"worst overflow {_worst(s['worst_overflow_fraction'], s['worst_overflow_tensor'])}"))
-    frac, name = worst_without_scaling(run, fmt)
-    rows.append((f"{fmt.name} without scaling", f"worst flushed to zero {_worst(frac, name)}"))
+    if not (constant and s["scale_min"] == 1.0):          # with no scaling at all, the row above says it
+        frac, name = worst_without_scaling(run, fmt)
+        rows.append((f"{fmt.name} without scaling", f"worst flushed to zero {_worst(frac, name)}"))
     if "demo" in run.meta:
         rows.append(("test accuracy", f"{100 * run.meta['demo']['test_accuracy']:.1f}% (ampviz demo)"))
     return rows

@@ -123,6 +123,39 @@ def test_info_on_a_directory_of_ranks_shows_per_rank_skips(ranks_dir, run_path, 
     assert f"per rank rank 0: {n}, rank 1: {n + 1}" in out
 
 
+@pytest.fixture(scope="module")
+def bf16_path(tmp_path_factory):
+    """A bf16 run without a GradScaler, histograms every 3rd step."""
+    import torch
+    import torch.nn.functional as F
+
+    from ampviz.models import MLP
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path_factory.mktemp("bf16") / "run.npz"
+    with ampviz.Recorder(model, optimizer, every=3, path=path) as rec:
+        for _ in range(10):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(torch.randn(32, 8)), torch.randint(0, 3, (32,)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            rec.step(loss)
+    return path
+
+
+def test_info_and_report_of_a_run_without_a_scaler(bf16_path, tmp_path, capsys):
+    assert main(["info", str(bf16_path), "--format", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"loss scale\s+2\^0 \(constant\); no GradScaler", out)
+    assert "10 (4 with histograms)" in out and "without scaling" not in out
+    assert main(["report", str(bf16_path), "-o", str(tmp_path / "r.html"), "--format", "bf16"]) == 0
+    figures = plotly_figures((tmp_path / "r.html").read_text())
+    assert {"run0-scale", "run0-tensors", "run0-heatmap-weight", "run0-heatmap-activation"} <= set(figures)
+    assert {k for k in figures if k.startswith("run0-hist-")} == {"run0-hist-0", "run0-hist-9"}
+
+
 def test_python_dash_m_ampviz_runs_info(run_path):
     done = subprocess.run([sys.executable, "-m", "ampviz", "info", str(run_path)],
                           capture_output=True, text=True, timeout=120)
