@@ -72,3 +72,12 @@ def test_no_record_and_bad_arguments(data):
         train_classifier(model, data, steps=1, scaler="yes")
     with pytest.raises(ValueError, match="scale"):
         static_scaler("cpu", -1.0)
+
+
+def test_regression_split_trains_with_its_own_loss_and_reports_no_accuracy():
+    from ampviz.data import diabetes
+    torch.manual_seed(0)
+    model = torch.nn.Linear(10, 1)
+    res = train_classifier(model, diabetes(), steps=5, batch_size=16, lr=1e-1,
+                           loss_fn=lambda out, y: F.mse_loss(out.squeeze(-1), y))
+    assert np.isnan(res.test_accuracy) and np.isfinite(res.losses).all() and res.weights_changed.all()
