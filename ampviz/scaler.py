@@ -12,7 +12,7 @@ scale each step would have used and which steps would have been skipped::
 
 A replay is a counterfactual: in a real run a skipped step changes every later gradient, which a
 replay over recorded gradients cannot know. Steps where the real run overflowed only tell us the
-magnitude was at least ``threshold / recorded scale``; :func:`trace_from_run` uses that bound.
+magnitude was at least ``threshold / recorded scale``; :func:`ampviz.trace.trace_from_run` uses that bound.
 """
 
 from __future__ import annotations
