@@ -101,21 +101,19 @@ def _run_all_cells(page, clock, attempts: int = 3) -> None:
 
 
 def _move_first_slider(page, container, shots, name: str) -> None:
-    """End (or Home, if already at the end), then ArrowLeft: readout and figure change each time."""
+    """End (Home if the handle is already at its maximum), then ArrowLeft: readout and figure change."""
     slider = container.locator(".widget-slider").first
     handle, readout = slider.locator(".noUi-handle").first, slider.locator(".widget-readout").first
-    for keys in (["End"], ["ArrowLeft"]):
+    at_max = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
+    for key in ("Home" if at_max else "End", "ArrowLeft"):
         text, figure = readout.inner_text(), container.evaluate(FINGERPRINT)
         handle.focus()
-        for key in keys:
-            page.keyboard.press(key)
-        if keys == ["End"] and readout.inner_text() == text:
-            page.keyboard.press("Home")                  # the slider started at its maximum
+        page.keyboard.press(key)
         page.wait_for_function("([el, before]) => el.textContent.trim() !== before",
                                arg=[readout.element_handle(), text.strip()], timeout=10_000)
         page.wait_for_function(f"([el, before]) => JSON.stringify(({FINGERPRINT})(el)) !== before",
                                arg=[container.element_handle(), _json(figure)], timeout=30_000)
-        container.screenshot(path=str(shots / f"{name}_after_{keys[0]}.png"))
+        container.screenshot(path=str(shots / f"{name}_after_{key}.png"))
 
 
 def _click_a_toggle(page, container, shots, name: str) -> None:
