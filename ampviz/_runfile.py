@@ -37,11 +37,18 @@ def write(target: Path, arrays: dict, meta: dict) -> None:
             np.savez_compressed(f, meta=np.array(json.dumps(meta, default=_json_default)), **arrays)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600 files; give the usual permissions
         os.replace(tmp, target)        # atomic: readers see the old file or the new one
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _json_default(o):

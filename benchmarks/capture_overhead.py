@@ -14,13 +14,15 @@ copy of the model (same initial weights), optimizer and capture object:
     ampviz-every10  ampviz.Recorder(activations=True, every=10)
     tensorboard     SummaryWriter.add_histogram on every weight gradient every step
 
-Variants run in interleaved rounds (the order rotates each round) so machine noise hits them
-alike; a variant's time is the median over rounds, its ratio that median over base's median.
+Variants run in interleaved rounds, in a new random order each round (a fixed rotation would
+always put the same variant after the slow TensorBoard one, on cold caches), so machine noise
+hits them alike; a variant's time is the median over rounds, its ratio that median over base's.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -98,9 +100,9 @@ class Variant:
 
 def bench(workload: str, rounds: int, warmup: int, logdir: str) -> dict:
     variants = [Variant(v, workload, logdir) for v in VARIANTS]
-    for r in range(rounds + warmup):
-        order = variants[r % len(variants):] + variants[:r % len(variants)]
-        for v in order:
+    rng = random.Random(0)
+    for _ in range(rounds + warmup):
+        for v in rng.sample(variants, len(variants)):
             v.step()
     med = {v.name: statistics.median(v.times[warmup:]) for v in variants}
     rec = next(v for v in variants if v.name == "ampviz-all").rec

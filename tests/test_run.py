@@ -1,6 +1,8 @@
 """Run files: round trips, atomic writes, clear errors for bad files, rank merging, domains."""
 
 import json
+import os
+import stat
 import zipfile
 
 import numpy as np
@@ -32,6 +34,9 @@ def test_round_trip(tmp_path):
     run = make_run()
     [path] = run.save(tmp_path / "run")
     assert path.name == "run.npz" and [p.name for p in tmp_path.iterdir()] == ["run.npz"]   # no temp left
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask          # not mkstemp's private 0600
     back = Run.load(path)
     for name in ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts"):
         np.testing.assert_array_equal(getattr(back, name), getattr(run, name))
