@@ -91,7 +91,7 @@ def test_workers_run_collectives_on_two_ranks():
 
 @pytest.mark.slow
 def test_a_failing_rank_stops_the_other_with_a_clear_error(tmp_path):
-    config = Config(out=str(tmp_path), steps=8, eval_every=100, fail_rank=1, fail_step=2, timeout=20,
+    config = Config(out=str(tmp_path), steps=8, eval_every=100, fail_rank=1, fail_step=2, timeout=30,
                     progress=False)
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:

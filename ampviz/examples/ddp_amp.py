@@ -93,7 +93,25 @@ def train_worker(config: Config) -> dict:
 
     Returns a summary: rank, world size, device, per-step loss history, dev metrics and the test
     report (rank 0), the test accuracy (rank 0), and a checksum of the final parameters.
+
+    A collective that fails or times out (while joining, in DDP's constructor, or in training)
+    raises :class:`ampviz.distributed.PeerFailure` with a message naming the rank and the timeout.
     """
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _train(config)
+    except Exception as e:
+        if not is_collective_failure(e):
+            raise
+        first = re.sub(r"\[[^\]]*/[^\]]*\]\s*", "", " ".join(str(e).split())).split(". ")[0][:200]
+        saved = (f"Whatever this rank recorded before the failure is saved in {config.out}." if config.out
+                 else "Nothing was saved (no --out).")
+        raise PeerFailure(f"rank {rank} stopped: a collective operation failed ({first}). Another rank has "
+                          f"probably died or stopped responding; collectives give up after timeout="
+                          f"{config.timeout:g} s. {saved}") from e
+
+
+def _train(config: Config) -> dict:
     env = init_from_env(config.timeout)
     rank, world, device = env.rank, env.world_size, env.device
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[config.amp]
@@ -119,18 +137,9 @@ def train_worker(config: Config) -> dict:
     trainer = Trainer(ddp, optimizer, scaler, device=device, amp_dtype=amp_dtype, accum=config.accum,
                       recorder=recorder, progress=config.progress)
     start = time.perf_counter()
-    try:
-        with recorder:                             # saved on exit, also when training raises
-            history = trainer.train(loader, sampler, config.steps, dev=dev, eval_every=config.eval_every,
-                                    checkpoint=checkpoint, fail_at=_failure(config, rank))
-    except Exception as e:
-        if not is_collective_failure(e):
-            raise
-        first = re.sub(r"\[[^\]]*/[^\]]*\]\s*", "", " ".join(str(e).split())).split(". ")[0][:200]
-        saved = f"saved in {run_path}" if run_path is not None else "kept in memory only (no --out)"
-        raise PeerFailure(f"rank {rank} stopped: a collective operation failed ({first}). Another rank has "
-                          f"probably died or stopped responding; collectives give up after timeout="
-                          f"{config.timeout:g} s. This rank's recording up to the failure is {saved}.") from e
+    with recorder:                                 # saved on exit, also when training raises
+        history = trainer.train(loader, sampler, config.steps, dev=dev, eval_every=config.eval_every,
+                                checkpoint=checkpoint, fail_at=_failure(config, rank))
     seconds = time.perf_counter() - start
     summary = {"rank": rank, "world_size": world, "device": str(device), "backend": env.backend,
                "seconds": seconds, "history": history, "config": asdict(config),
@@ -218,7 +227,7 @@ def _print_summary(summary: dict, config: Config) -> None:
         print(f"dev accuracy {summary['history']['dev_accuracy'][-1]:.3f}; "
               f"test accuracy (best dev checkpoint) {summary['test_accuracy']:.3f}")
     print(summary["report"])
-    print(f"recorded every rank in {out}. Look at it with:\n  ampviz info {out}\n"
+    print(f"recorded {summary['world_size']} rank(s) in {out}. Look at it with:\n  ampviz info {out}\n"
           f"  ampviz report {out} -o {Path(out) / 'report.html'}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -56,7 +57,7 @@ def _ddp(module, env) -> DDP:
 
 def hello() -> dict:
     """Join the group; report who this process is."""
-    env = init_from_env(timeout=30)
+    env = init_from_env(timeout=60)
     return {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
             "backend": env.backend, "device": str(env.device), "pid": os.getpid(),
             "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
@@ -193,8 +194,10 @@ def main() -> None:
     info = hello()
     value = torch.tensor([float(info["rank"] + 1)], device=info["device"])
     dist.all_reduce(value)
-    print(f"rank {info['rank']} of {info['world_size']} (pid {info['pid']}, backend {info['backend']}, "
-          f"device {info['device']}): all_reduce(rank + 1) = {value.item():g}", flush=True)
+    line = (f"rank {info['rank']} of {info['world_size']} (pid {info['pid']}, backend {info['backend']}, "
+            f"device {info['device']}): all_reduce(rank + 1) = {value.item():g}\n")
+    sys.stdout.write(line)                    # one write: lines from the two ranks never interleave
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
