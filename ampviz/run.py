@@ -166,7 +166,7 @@ class Run:
 
     def _worst(self, fractions: np.ndarray):
         """(largest fraction, name of its tensor) of an (R, H, T) array."""
-        if not fractions.size:
+        if not fractions.size or not fractions.max() > 0:
             return 0.0, None
         t = np.unravel_index(fractions.argmax(), fractions.shape)[2]
         return float(fractions.max()), self.tensor_names[int(t)]

@@ -157,3 +157,11 @@ def test_lookup_errors():
         run.hist_index(99)
     with pytest.raises(KeyError, match="rank: 3 not in this run"):
         run.select(rank=3)
+
+
+def test_summary_names_a_worst_tensor_only_when_something_is_lost():
+    s = make_run().summary("bf16")        # 2**-30 .. 2**-5 values: nothing flushes or overflows in bf16
+    assert (s["worst_flushed_fraction"], s["worst_flushed_tensor"]) == (0.0, None)
+    assert (s["worst_overflow_fraction"], s["worst_overflow_tensor"]) == (0.0, None)
+    s16 = make_run().summary("fp16")
+    assert s16["worst_flushed_fraction"] > 0 and s16["worst_flushed_tensor"] in ("w", "act")
