@@ -125,10 +125,10 @@ def test_memory_figure_bars_are_the_breakdowns_in_mib_and_update_in_place():
     bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
     assert bars["saved activations"] == [4.0, 2.0] and bars["16-bit weight copies"] == [0.0, 0.5]
     assert list(fig.data[-1].text) == ["8.00 MiB", "6.50 MiB (0.81x)"]
-    assert "float32 in every bar" in fig.layout.title.subtitle.text
+    assert "float32 in every bar" in fig.layout.title.text
     set_memory(fig, {"a": fake(activations=0), "b": fake(gradients=2 * MIB, dtypes={"gradients": ["bfloat16"]})})
     assert list(fig.data[0].x) == ["a", "b"] and list(fig.data[1].y) == [1.0, 2.0]
-    assert "bfloat16" in fig.layout.title.subtitle.text
+    assert "bfloat16" in fig.layout.title.text
     with pytest.raises(ValueError, match="breakdowns"):
         memory_figure({})
 

@@ -16,7 +16,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..clipping import ORDERS, clipped_norms, total_norm
-from ._style import OKABE_ITO, base_layout, percent
+from ._style import OKABE_ITO, base_layout, percent, title_text
 
 __all__ = ["clipping_figure", "set_clipping", "MAX_NORMS", "TRACES", "ORDER_COLORS"]
 
@@ -43,6 +43,7 @@ def clipping_figure(grads, max_norm: float = 1.0, log2_scale: int = 16, curves: 
                   line=dict(color="#222222", width=1, dash="dash"))
     fig.update_layout(**base_layout("The gradient the optimizer steps with, after clipping",
                                     "norm in true (unscaled) units; dashed: max_norm", height=420, showlegend=True,
+                                    inline_subtitle=True,
                                     legend=dict(x=0.99, xanchor="right", y=0.02, yanchor="bottom")))
     fig.update_xaxes(type="log", title_text="max_norm", exponentformat="power")
     fig.update_yaxes(type="log", title_text="‖gradient‖ used by the step", exponentformat="power")
@@ -67,6 +68,8 @@ def set_clipping(fig, grads, max_norm: float, log2_scale: int, curves: dict | No
     norm = fig.data[TRACES["true norm"]].y[0]
     fig.layout.yaxis.range = [math.log10(low) - 0.5, math.log10(max(norm, max_norm)) + 0.5]
     ratio = now["clip first"] / now["unscale first"]
-    fig.layout.title.subtitle.text = (f"loss scale 2<sup>{log2_scale}</sup> · max_norm {max_norm:.3g}: the wrong "
-                                      f"order keeps {percent(ratio)} of the step the right order takes")
+    subtitle = (f"loss scale 2<sup>{log2_scale}</sup> · max_norm {max_norm:.3g}: the wrong "
+                f"order keeps {percent(ratio)} of the step the right order takes")
+    # the subtitle is the title text's second line (see plots._style.title_text): keep the first
+    fig.layout.title.text = title_text((fig.layout.title.text or "").partition("<br>")[0], subtitle)
     return now

@@ -103,6 +103,6 @@ def format_comparison_figure(counts, formats=DEFAULT_FORMATS, log2_scales=None, 
     legend = " · ".join(f"<span style='color:{REGION_COLORS[r]}'>■</span> {r}" for r in REGIONS)
     subtitle = (f"{int(c.sum()):,} values ({percent(zeros / c.sum() if c.sum() else 0)} exact zeros, not drawn); "
                 f"shading: {legend}; shares are of the non-zero values")
-    fig.update_layout(**base_layout(title, subtitle, height=130 + panel_height * rows, bargap=0,
+    fig.update_layout(**base_layout(title, subtitle, height=130 + panel_height * rows, bargap=0, inline_subtitle=True,
                                     margin=dict(l=60, r=20, t=120, b=70)))
     return fig

@@ -14,7 +14,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..memory import CATEGORIES
-from ._style import OKABE_ITO, base_layout
+from ._style import OKABE_ITO, base_layout, title_text
 
 __all__ = ["memory_figure", "set_memory", "CATEGORY_COLORS", "CATEGORY_LABELS", "MIB"]
 
@@ -45,7 +45,7 @@ def memory_figure(breakdowns: dict, title: str = "Memory of one training step, c
     fig.add_scatter(x=labels, y=[b.total / MIB for b in breakdowns.values()], mode="text",
                     text=_total_text(breakdowns), textposition="top center", showlegend=False, hoverinfo="skip")
     fig.update_layout(**base_layout(title, subtitle or _dtype_text(breakdowns),
-                                    height=440, showlegend=True, barmode="stack",
+                                    height=440, showlegend=True, barmode="stack", inline_subtitle=True,
                                     legend=dict(traceorder="reversed")))
     fig.update_yaxes(title="MiB", rangemode="tozero")
     _fit_y(fig, breakdowns)
@@ -62,7 +62,8 @@ def set_memory(fig, breakdowns: dict) -> None:
     fig.data[len(CATEGORIES)].x = labels
     fig.data[len(CATEGORIES)].y = [b.total / MIB for b in breakdowns.values()]
     fig.data[len(CATEGORIES)].text = _total_text(breakdowns)
-    fig.layout.title.subtitle.text = _dtype_text(breakdowns)
+    # the subtitle is the title text's second line (see plots._style.title_text): keep the first
+    fig.layout.title.text = title_text((fig.layout.title.text or "").partition("<br>")[0], _dtype_text(breakdowns))
     _fit_y(fig, breakdowns)
 
 

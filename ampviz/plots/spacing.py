@@ -101,7 +101,8 @@ def spacing_figure(formats=("fp32", "bf16", "fp16"), lo: int = -26, hi: int = 18
     yt, yl = log2_ticks(ylo, yhi, max_ticks=10)
     fig.update_layout(**base_layout(title or "Spacing between neighbours (ulp) grows with |x|",
                                     "log2 axes; subnormals are evenly spaced, so the staircase flattens at the left",
-                                    height=460, showlegend=True, legend=dict(x=0.01, y=0.99)))
+                                    height=460, showlegend=True, legend=dict(x=0.01, y=0.99),
+                                    inline_subtitle=True))
     fig.update_xaxes(title="|x|", tickvals=xt, ticktext=xl, range=[lo - 0.5, hi + 0.5])
     fig.update_yaxes(title="ulp(x)", tickvals=yt, ticktext=yl,
                      range=[ylo - 1, yhi + 1])

@@ -98,6 +98,7 @@ def update_figure(w, update, format="fp16", title: str | None = None) -> go.Figu
                                     "top: the grid around w (shaded: rounds back to w) · "
                                     "bottom: share of each update size that is really applied",
                                     height=600, margin=dict(l=80, r=30, t=150, b=70), showlegend=True,
+                                    inline_subtitle=True,
                                     legend=dict(orientation="h", x=0.0, xanchor="left", y=1.0, yanchor="bottom")))
     fig.update_yaxes(visible=False, range=[-1, 1], row=1, col=1)
     fig.update_xaxes(title_text="offset from w, in ulps of w", zeroline=False, row=1, col=1)

@@ -41,7 +41,7 @@ def trace_table_figure(rows: list[dict], title: str | None = None, subtitle: str
                                  fill_color="#EEEEEE", align="left", font=dict(size=12)),
                      cells=dict(values=columns, fill_color=[fill] * 5, align="left", height=22, font=dict(size=12)),
                      columnwidth=[70, 170, 230, 150, 45])
-    layout = base_layout(title, subtitle, height=130 + 23 * len(rows))
+    layout = base_layout(title, subtitle, height=130 + 23 * len(rows), inline_subtitle=True)
     layout["margin"] = dict(l=10, r=10, t=80 if title else 10, b=10)
     return go.Figure(table, layout=layout)
 
