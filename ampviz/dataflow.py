@@ -67,10 +67,11 @@ class StepFlow:
     def rows(self) -> list[tuple[str, str]]:
         """(arrow, measured) pairs in loop order, for a table."""
         return [("parameters (what the optimizer owns)", self.params),
-                ("casts inserted in the forward", f"{self.casts_in} (to {self.autocast_dtype})"),
+                ("casts inserted in the forward",
+                 f"{self.casts_in} (to {self.autocast_dtype})" if self.casts_in else "none"),
                 ("forward matmuls", self.forward_matmul), ("activations (module outputs)", self.activations),
                 ("loss", self.loss), ("backward matmuls", self.backward_matmul),
-                ("casts back in the backward", f"{self.casts_back} (to float32)"),
+                ("casts back in the backward", f"{self.casts_back} (to float32)" if self.casts_back else "none"),
                 ("param.grad", self.grads),
                 ("optimizer in-place ops", ", ".join(f"{d} ×{n}" for d, n in self.optimizer_op_counts.items())),
                 ("optimizer state", self.optimizer_state), ("parameters after the step", self.params_after)]
@@ -197,7 +198,8 @@ def flow_figure(flow: StepFlow, title: str | None = None) -> go.Figure:
     legend = " · ".join(f"<span style='color:{c}'>■</span> {n}" for n, c in DTYPE_COLORS.items()
                         if n in ("float32", "float16", "bfloat16"))
     fig.update_layout(**base_layout(title or "One training step, measured", f"box colour = dtype measured there: "
-                                    f"{legend}", height=430, margin=dict(l=20, r=20, t=90, b=20)))
+                                    f"{legend}", height=430, margin=dict(l=20, r=20, t=90, b=20),
+                                    inline_subtitle=True))
     fig.update_xaxes(visible=False, range=[-0.45, 2.45])
     fig.update_yaxes(visible=False, range=[-0.35, 1.35])
     return fig
