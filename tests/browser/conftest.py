@@ -54,8 +54,30 @@ class Lab:
             body = resp.read()
         return json.loads(body) if body else None
 
+    def api_post(self, path: str, body: dict):
+        req = urllib.request.Request(f"{self.url}/api/{path}?token={self.token}", method="POST",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def start_session(self, notebook: str) -> str:
+        """Create the notebook's session with a python3 kernel; returns the kernel id.
+
+        JupyterLab then attaches to this session instead of auto-starting a kernel while the page
+        loads (a kernel it starts then may be shut down and replaced, dropping queued cells). The
+        REST API reports the kernel "starting" until a client connects: the page waits for idle.
+        """
+        session = self.api_post("sessions", {"path": notebook, "type": "notebook", "name": notebook,
+                                              "kernel": {"name": "python3"}})
+        return session["kernel"]["id"]
+
     def lab_url(self, notebook: str) -> str:
         return f"{self.url}/lab/tree/{notebook}?token={self.token}"
+
+    def kernel_events(self) -> list[str]:
+        """The server log's kernel start / restart / shutdown lines."""
+        return [line for line in self.log.read_text(errors="replace").splitlines()
+                if "Kernel started" in line or "Kernel shutdown" in line or "Kernel restarted" in line]
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])

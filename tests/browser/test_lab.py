@@ -45,11 +45,6 @@ FINGERPRINT = """(container) => {
 }"""
 
 
-def _wait_for_kernel_idle(page) -> None:
-    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
-                           timeout=90_000)
-
-
 def _click_run_all(page, attempts: int = 6) -> None:
     """Run > Run All Cells; a click while the kernel websocket still connects can be dropped,
     so check that execution started (a prompt shows [*] or [n]) and retry if not."""
@@ -67,9 +62,9 @@ def _click_run_all(page, attempts: int = 6) -> None:
     raise AssertionError(f"Run All Cells did not start execution after {attempts} attempts")
 
 
-# "done" once the last cell printed its marker, "error" if a cell raised, "stalled" when the kernel
-# has been idle with nothing queued for 5 s but the marker is missing: JupyterLab may replace the
-# kernel it auto-started while the first cells run, dropping the queued ones.
+# "done" once the last cell printed its marker, "error" if a cell raised, "stalled" when for 5 s
+# nothing is queued and the kernel is not busy, yet the marker is missing (a kernel replaced or
+# lost while the page connected drops the queued cells).
 _OUTCOME = """(done) => {
   const outputs = Array.from(document.querySelectorAll('.jp-OutputArea-output'));
   if (outputs.some((e) => e.textContent.includes(done))) return 'done';
@@ -77,23 +72,37 @@ _OUTCOME = """(done) => {
                           && /Traceback|\\w+Error\\b/.test(e.textContent))) return 'error';
   const queued = Array.from(document.querySelectorAll('.jp-NotebookPanel .jp-InputPrompt'))
                       .some((e) => e.textContent.includes('*'));
-  const idle = document.querySelector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']");
-  if (queued || !idle) { window.__ampvizIdleSince = null; return false; }
+  const busy = document.querySelector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='busy']");
+  if (queued || busy) { window.__ampvizIdleSince = null; return false; }
   window.__ampvizIdleSince = window.__ampvizIdleSince || Date.now();
   return Date.now() - window.__ampvizIdleSince > 5000 ? 'stalled' : false;
 }"""
 
 
-def _run_all_cells(page, clock, attempts: int = 3) -> None:
-    """Run All until the last cell's marker shows; fail with the traceback if a cell raised."""
+def _open_notebook(page, lab) -> None:
+    """Load the notebook page and wait for its kernel (the ``lab`` session's) to be idle."""
+    page.goto(lab.lab_url(NOTEBOOK), wait_until="domcontentloaded")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=90_000)
+
+
+def _run_all_cells(page, lab, clock, attempts: int = 3) -> None:
+    """Run All until the last cell's marker shows (reloading the page after a stall); fail with
+    the traceback if a cell raised."""
     for attempt in range(attempts):
         _click_run_all(page)
         clock(f"execution started (attempt {attempt + 1})")
         outcome = page.wait_for_function(_OUTCOME, arg=DONE_TEXT, timeout=240_000, polling=500).json_value()
         if outcome != "stalled":
             break
-        page.evaluate("() => { window.__ampvizIdleSince = null; }")
-        clock("execution stalled (kernel idle, cells not run): Run All again")
+        status = page.evaluate("() => document.querySelector('.jp-StatusBar-Widget')?.textContent")
+        clock(f"execution stalled (status bar: {status!r}; server: {lab.kernel_events()}): new session, "
+              "reload, Run All again")
+        for session in lab.api("sessions"):
+            lab.api(f"sessions/{session['id']}", method="DELETE")
+        lab.start_session(NOTEBOOK)
+        _open_notebook(page, lab)
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     tracebacks = [t for t in errors.all_inner_texts() if re.search(r"Traceback|\w+Error\b", t)]
     assert not tracebacks, "a notebook cell raised:\n" + "\n".join(tracebacks)[-3000:]
@@ -145,12 +154,12 @@ def test_widgets_render_and_sliders_update_plots(lab, page, tmp_path):
     shots = tmp_path / "screenshots"
     shots.mkdir()
     clock = _Clock()
-    page.goto(lab.lab_url(NOTEBOOK), wait_until="domcontentloaded")
-    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
-    _wait_for_kernel_idle(page)
-    clock("notebook open, kernel idle")
+    lab.start_session(NOTEBOOK)
+    clock("session and kernel started")
+    _open_notebook(page, lab)
+    clock("notebook open")
     try:
-        _run_all_cells(page, clock)
+        _run_all_cells(page, lab, clock)
         clock("all cells ran")
         for name in WIDGETS:
             container = page.locator(f".ampviz-test-{name}").first
