@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["NBINS", "Binner"]
+__all__ = ["NBINS", "Binner", "group_offsets"]
 
 NBINS = 257
 
@@ -26,91 +26,117 @@ class Binner:
     """Turns tensors into bin keys in a flat buffer and counts them with one bincount.
 
     ``add(x, row)`` writes the keys of ``x`` (offset by ``row * NBINS``) into the buffer;
-    ``submit()`` counts everything buffered into ``target`` (a flat int64 tensor of
-    ``rows * NBINS``). On CPU the count runs in a background thread (torch releases the GIL),
-    overlapping with the rest of the training step; the key buffers are double-buffered so
-    the next tensors never overwrite keys still being counted. On CUDA the count is an
-    ``index_add_`` (``torch.bincount`` on CUDA reads its max back to the host: a sync).
+    ``add_group`` does the same for many small tensors at once; ``submit()`` counts everything
+    buffered into ``target`` (a flat int64 tensor of ``rows * NBINS``). The buffer grows up to
+    ``max_capacity`` keys, so a training step needs one count; beyond that it is counted in pieces.
+    On CPU the count is split across threads (``torch.bincount`` itself is single-threaded and
+    releases the GIL). On CUDA it is an ``index_add_``, since ``torch.bincount`` on CUDA reads its
+    max back to the host (a sync); the keys and the count then run asynchronously on the device.
     """
 
-    def __init__(self, device, capacity: int = 1 << 22, background: bool | None = None):
+    def __init__(self, device, capacity: int = 1 << 20, max_capacity: int = 1 << 25, threads: int | None = None):
         self.device = torch.device(device)
-        self.capacity = int(max(capacity, 1 << 12))
-        self.background = (self.device.type == "cpu") if background is None else bool(background)
-        nbuf = 2 if self.background else 1
-        self._bufs = [torch.empty(self.capacity, dtype=torch.int32, device=self.device) for _ in range(nbuf)]
-        self._scratch16 = None
-        self._pending = [None] * nbuf          # future still reading each buffer
-        self._cur, self._fill = 0, 0
+        self.max_capacity = int(max(max_capacity, 1 << 12))
+        self.capacity = int(min(max(capacity, 1 << 12), self.max_capacity))
+        self._buf = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
+        self._fill = 0
         self.target: torch.Tensor | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ampviz-bincount") if self.background else None
+        self.threads = max(1, torch.get_num_threads() if threads is None else int(threads))
+        self._pool = None
 
     def add(self, x: torch.Tensor, row: int) -> None:
         """Append the keys of every element of ``x`` to the buffer, for counts row ``row``."""
         if x.is_sparse:
             x = x.coalesce().values()          # only stored values are counted
         flat = x.detach().reshape(-1)
-        offset = row * NBINS + 1
         start = 0
         while start < flat.numel():
-            if self._fill == self.capacity:
-                self.submit()
-            n = min(flat.numel() - start, self.capacity - self._fill)
-            self._write_keys(flat[start:start + n], offset)
+            n = self._reserve(flat.numel() - start)
+            self._write_keys(flat[start:start + n], self._keys(n), row * NBINS + 1)
             start += n
 
-    def _write_keys(self, chunk: torch.Tensor, offset: int) -> None:
-        buf = self._bufs[self._cur]
-        if self._fill == 0 and self._pending[self._cur] is not None:
-            self._pending[self._cur].result()      # the count still reading this buffer
-            self._pending[self._cur] = None
-        n, o = chunk.numel(), self._fill
-        keys = buf[o:o + n]
+    def add_group(self, tensors: list, rows: list, offsets: torch.Tensor) -> None:
+        """Append the keys of several float32 tensors at once (one set of ops instead of one per tensor).
+
+        ``offsets`` holds, per element of the concatenated tensors, ``row * NBINS + 1`` for their
+        ``rows`` (see :func:`group_offsets`); tensors must be dense float32 on this device.
+        """
+        n = offsets.numel()
+        if self._reserve(n) < n:
+            raise ValueError(f"add_group: {n} elements exceed max_capacity={self.max_capacity}")
+        keys = self._keys(n)
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=keys.view(torch.float32))
+        keys.bitwise_and_(0x7FFFFFFF).sub_(1).bitwise_right_shift_(23).add_(offsets)
+        self._fill += n
+
+    def _reserve(self, n: int) -> int:
+        """Make room for up to ``n`` keys (growing, or counting what is buffered); how many fit."""
+        if self._fill + n > self.capacity and self.capacity < self.max_capacity:
+            bigger = torch.empty(min(max(2 * self.capacity, self._fill + n), self.max_capacity),
+                                 dtype=torch.int32, device=self.device)
+            bigger[:self._fill].copy_(self._buf[:self._fill])
+            self._buf, self.capacity = bigger, bigger.numel()
+        if self._fill == self.capacity:
+            self.submit()
+        return min(n, self.capacity - self._fill)
+
+    def _keys(self, n: int) -> torch.Tensor:
+        return self._buf[self._fill:self._fill + n]
+
+    def _write_keys(self, chunk: torch.Tensor, keys: torch.Tensor, offset: int) -> None:
         if chunk.dtype == torch.float32:
             torch.abs(chunk, out=keys.view(torch.float32))
             keys.sub_(1).bitwise_right_shift_(23)
-        elif chunk.dtype == torch.bfloat16:        # bf16 is the top half of fp32: work on 2 bytes
-            s16 = self._scratch(n)
-            torch.bitwise_and(chunk.view(torch.int16), 0x7FFF, out=s16)
-            s16.sub_(1).bitwise_right_shift_(7)
-            keys.copy_(s16)
+        elif chunk.dtype == torch.bfloat16:        # bf16 is fp32's top half: (m16 - 1) >> 7, same key
+            torch.bitwise_and(chunk.view(torch.int16), 0x7FFF, out=keys)   # reads 2 bytes, stores 4
+            keys.sub_(1).bitwise_right_shift_(7)
         else:                                      # fp16, fp8, fp64: convert to fp32 first
             keys.view(torch.float32).copy_(chunk)  # exact for fp16/fp8; fp64 is rounded
             keys.bitwise_and_(0x7FFFFFFF).sub_(1).bitwise_right_shift_(23)
         keys.add_(offset)
-        self._fill += n
-
-    def _scratch(self, n: int) -> torch.Tensor:
-        if self._scratch16 is None or self._scratch16.numel() < n:
-            self._scratch16 = torch.empty(self.capacity, dtype=torch.int16, device=self.device)
-        return self._scratch16[:n]
+        self._fill += chunk.numel()
 
     def submit(self) -> None:
-        """Count the buffered keys into ``target`` (asynchronously on CPU)."""
+        """Count the buffered keys into ``target``."""
         if self._fill == 0:
             return
         if self.target is None:
             raise RuntimeError("Binner.submit: no target counts tensor set")
-        keys, target = self._bufs[self._cur][:self._fill], self.target
-        if self._pool is not None:
-            self._pending[self._cur] = self._pool.submit(_count_cpu, keys, target)
-            self._cur = (self._cur + 1) % len(self._bufs)
+        keys = self._buf[:self._fill]
+        if keys.device.type != "cpu":
+            _count_index_add(keys, self.target)
+        elif self.threads > 1 and keys.numel() >= _PARALLEL_MIN:
+            self._count_parallel(keys)
         else:
-            _count(keys, target)
+            _count_cpu(keys, self.target)
         self._fill = 0
 
+    def _count_parallel(self, keys: torch.Tensor) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ampviz-count")
+        parts = keys.tensor_split(self.threads)
+        m = self.target.numel()
+        futures = [self._pool.submit(torch.bincount, p, None, m) for p in parts[1:]]
+        self.target.add_(torch.bincount(parts[0], minlength=m))
+        for f in futures:
+            self.target.add_(f.result())
+
     def wait(self) -> None:
-        """Block until every submitted count has landed in its target."""
-        for i, fut in enumerate(self._pending):
-            if fut is not None:
-                fut.result()
-                self._pending[i] = None
+        """Kept for callers that time the capture: counting is synchronous on CPU."""
 
     def close(self) -> None:
-        self.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+_PARALLEL_MIN = 1 << 18      # below this many keys one thread counts faster than a hand-off
+
+
+def group_offsets(sizes, rows, device) -> torch.Tensor:
+    """Per-element ``row * NBINS + 1`` for tensors of ``sizes`` counted into ``rows`` (int32)."""
+    per_row = torch.tensor([r * NBINS + 1 for r in rows], dtype=torch.int32)
+    return torch.repeat_interleave(per_row, torch.tensor(list(sizes))).to(device)
 
 
 def _count_cpu(keys: torch.Tensor, target: torch.Tensor) -> None:
@@ -120,7 +146,3 @@ def _count_cpu(keys: torch.Tensor, target: torch.Tensor) -> None:
 def _count_index_add(keys: torch.Tensor, target: torch.Tensor) -> None:
     # no bincount on CUDA: it reads the max key back to the host to size its output (a sync)
     target.index_add_(0, keys, torch.ones((), dtype=target.dtype, device=keys.device).expand(keys.numel()))
-
-
-def _count(keys: torch.Tensor, target: torch.Tensor) -> None:
-    (_count_cpu if keys.device.type == "cpu" else _count_index_add)(keys, target)

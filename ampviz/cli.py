@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="record a short real fp16 training run and write its report")
     demo.add_argument("-o", "--output", required=True, type=Path, help="directory for run.npz and report.html")
-    demo.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300; about 1000 to learn: ~80%% test accuracy)")
+    demo.add_argument("--steps", type=_positive_int, default=300,
+                      help="optimizer steps (default 300; about 1000 to learn: ~80%% test accuracy)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     demo.add_argument("--seed", type=int, default=0, help="seed of the model and batch order")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ._binner import NBINS, Binner
+from ._cpucount import make_counter
 from .formats import Format, get_format
 
 __all__ = [
@@ -91,7 +92,7 @@ def histograms(tensors, device=None) -> torch.Tensor:
     device = torch.device(device) if device is not None else (tensors[0].device if tensors else "cpu")
     counts = torch.zeros(len(tensors), NBINS, dtype=torch.int64, device=device)
     total = sum(t.numel() for t in tensors)
-    binner = Binner(device, capacity=min(max(total, 1), 1 << 24), background=False)
+    binner = make_counter(device, capacity=min(max(total, 1), 1 << 24))
     binner.target = counts.view(-1)
     for i, t in enumerate(tensors):
         binner.add(t.to(device), i)

@@ -48,7 +48,8 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import __version__
-from ._binner import Binner
+from ._binner import group_offsets
+from ._cpucount import make_counter
 from ._store import StepStore
 from ._targets import dist_info, first_grad_tensor, is_ddp, select
 from .run import Run
@@ -79,13 +80,11 @@ class Recorder:
     path : if given, the run is saved there (atomically) on exit, also when the loop raises;
         under DDP with several ranks it is a directory receiving ``rank{r}.npz``.
     enabled : False makes the recorder a no-op (no hooks), like ``autocast(enabled=False)``.
-    background : count on a background thread (default: on CPU). Overlaps the count with the
-        optimizer step; results are identical either way.
     """
 
     def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, local_weights=False,
                  every: int = 1, flush_every: int = 32, max_bytes: int = 256 << 20, path=None,
-                 enabled: bool = True, background: bool | None = None):
+                 enabled: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -104,7 +103,6 @@ class Recorder:
         self.optimizer, self.every, self.flush_every, self.max_bytes = optimizer, every, flush_every, max_bytes
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.path = Path(path) if path is not None else None
-        self._background = background
         self._params = select(self.model.named_parameters(), weights, "weights",
                                default=lambda n, p: p.requires_grad)
         self._modules = select(self.model.named_modules(), activations, "activations",
@@ -154,6 +152,14 @@ class Recorder:
         if self.path is not None:
             self._save(self._run)
 
+    def wait(self) -> None:
+        """Block until the counts of every recorded step so far have landed (on the GPU they are
+        computed asynchronously). Useful for timing; never needed for correctness."""
+        if self.enabled and self._open:
+            self._binner.wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
     @property
     def run(self) -> Run:
         """The recorded run (a snapshot if the recorder is still open)."""
@@ -172,11 +178,11 @@ class Recorder:
         self.device = first.device if first is not None else torch.device("cpu")
         self._world, self._rank = dist_info()
         numel = sum(p.numel() for _, p in self._params)
-        self._binner = Binner(self.device, capacity=min(max(numel, 1 << 16), 1 << 24), background=self._background)
+        self._binner = make_counter(self.device, capacity=numel + (1 << 16))
         self._store = StepStore(self.device, len(self.tensor_names), self.flush_every, self.max_bytes, self.every)
         self._step = 0
         self._row_of = {id(p): i for i, (_, p) in enumerate(self._params)}
-        self._opt_rows: dict[int, list] = {}
+        self._opt_plans: dict[int, tuple] = {}
         self._grad_refs = [None] * len(self._params)
         self._weights_done = np.zeros(len(self._params), dtype=bool)
         self._capturing = True
@@ -222,16 +228,34 @@ class Recorder:
     def _on_optimizer_step(self, optimizer, args, kwargs):
         if not self._capturing:
             return
-        rows = self._opt_rows.get(id(optimizer))
-        if rows is None:
-            rows = [self._row_of[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in self._row_of]
-            self._opt_rows[id(optimizer)] = rows
-        for i in rows:
+        plan = self._opt_plans.get(id(optimizer))
+        if plan is None:
+            plan = self._opt_plans[id(optimizer)] = self._plan(optimizer)
+        big, small, offsets = plan
+        if small:
+            grads = [self._params[i][1].grad for i in small]
+            if all(_groupable(g) for g in grads) and not self._weights_done[small].any():
+                self._binner.add_group(grads, small, offsets)     # many small tensors: one set of ops
+                self._weights_done[small] = True
+            else:
+                big = big + small
+        for i in big:
             if not self._weights_done[i]:
                 g = self._params[i][1].grad
                 if g is not None:
                     self._binner.add(g, i)
                 self._weights_done[i] = True
+
+    def _plan(self, optimizer):
+        """(big rows, small rows, offsets of the small rows' elements) for this optimizer's parameters."""
+        rows = [self._row_of[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in self._row_of]
+        params = [self._params[i][1] for i in rows]
+        small = [i for i, p in zip(rows, params) if p.numel() < _SMALL and p.device == self.device]
+        big = [i for i in rows if i not in set(small)]
+        if len(small) < 2:
+            return rows, [], None
+        sizes = [self._params[i][1].numel() for i in small]
+        return big, small, group_offsets(sizes, small, self.device)
 
     # ------------------------------------------------------------------ per step
     def step(self, loss=None) -> None:
@@ -287,3 +311,10 @@ class Recorder:
             run.save(self.path / f"rank{self._rank}.npz")
         else:
             run.save(self.path)
+
+
+_SMALL = 1 << 16          # parameters below this many elements are keyed together (per-op overhead dominates)
+
+
+def _groupable(g) -> bool:
+    return g is not None and g.dtype == torch.float32 and g.layout == torch.strided

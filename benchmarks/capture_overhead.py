@@ -14,9 +14,12 @@ copy of the model (same initial weights), optimizer and capture object:
     ampviz-every10  ampviz.Recorder(activations=True, every=10)
     tensorboard     SummaryWriter.add_histogram on every weight gradient every step
 
-Variants run in interleaved rounds, in a new random order each round (a fixed rotation would
-always put the same variant after the slow TensorBoard one, on cold caches), so machine noise
-hits them alike; a variant's time is the median over rounds, its ratio that median over base's.
+Each round runs every variant for a block of ``--block`` consecutive steps, in a new random order
+each round (a fixed rotation would always put the same variant after the slow TensorBoard one,
+on cold caches). A block ends by waiting for the variant's own background work (ampviz counts
+on a background thread on CPU; TensorBoard writes on one), so no variant's work leaks into the
+next variant's time. A variant's ratio is the median over rounds of its block time divided by
+base's block time in the same round (paired, so slow drifts of the machine cancel).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Variant:
         self.model, self.batch, self.loss_fn = make_workload(workload)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.times: list[float] = []
+        self.ratios: list[float] = []
         self.rec = self.writer = None
         self.step_i = 0
         if name.startswith("ampviz"):
@@ -72,8 +76,18 @@ class Variant:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(f"{logdir}/{workload}")
 
-    def step(self) -> None:
+    def block(self, steps: int) -> float:
+        """Run ``steps`` steps and wait for this variant's background work; seconds per step."""
         t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        if self.rec is not None:
+            self.rec.wait()
+        if self.writer is not None:
+            self.writer.flush()
+        return (time.perf_counter() - t0) / steps
+
+    def step(self) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = self.loss_fn(self.model, self.batch)
         loss.backward()
@@ -88,7 +102,6 @@ class Variant:
         self.opt.zero_grad(set_to_none=True)
         if self.rec is not None:
             self.rec.step(loss)
-        self.times.append(time.perf_counter() - t0)
         self.step_i += 1
 
     def close(self) -> None:
@@ -98,13 +111,16 @@ class Variant:
             self.writer.close()
 
 
-def bench(workload: str, rounds: int, warmup: int, logdir: str) -> dict:
+def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str) -> dict:
     variants = [Variant(v, workload, logdir) for v in VARIANTS]
     rng = random.Random(0)
-    for _ in range(rounds + warmup):
-        for v in rng.sample(variants, len(variants)):
-            v.step()
-    med = {v.name: statistics.median(v.times[warmup:]) for v in variants}
+    for r in range(rounds + warmup):
+        per_step = {v.name: v.block(block) for v in rng.sample(variants, len(variants))}
+        if r >= warmup:
+            for v in variants:
+                v.times.append(per_step[v.name])
+                v.ratios.append(per_step[v.name] / per_step["base"])
+    med = {v.name: (statistics.median(v.times), statistics.median(v.ratios)) for v in variants}
     rec = next(v for v in variants if v.name == "ampviz-all").rec
     n_tensors = len(rec.tensor_names)
     for v in variants:
@@ -115,18 +131,19 @@ def bench(workload: str, rounds: int, warmup: int, logdir: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["mlp", "tfm", "both"], default="both")
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--block", type=int, default=4, help="consecutive steps per variant per round")
     a = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}")
     with tempfile.TemporaryDirectory() as logdir:
         for w in (["mlp", "tfm"] if a.workload == "both" else [a.workload]):
-            res = bench(w, a.rounds, a.warmup, logdir)
-            base = res["median"]["base"]
-            print(f"\n{w}: {res['params']:,} parameters; {a.rounds} interleaved rounds after {a.warmup} warm-up")
-            print(f"{'variant':<16}{'median ms':>10}{'ratio':>8}")
-            for name, t in res["median"].items():
-                print(f"{name:<16}{t * 1e3:>10.2f}{t / base:>8.3f}")
+            res = bench(w, a.rounds, a.warmup, a.block, logdir)
+            print(f"\n{w}: {res['params']:,} parameters; {a.rounds} rounds of {a.block}-step blocks "
+                  f"after {a.warmup} warm-up rounds")
+            print(f"{'variant':<16}{'median ms/step':>15}{'ratio':>8}")
+            for name, (t, ratio) in res["median"].items():
+                print(f"{name:<16}{t * 1e3:>15.2f}{ratio:>8.3f}")
             per_step = res["tensors"] * H.NBINS * 8
             print(f"ampviz-all keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
                   f"{per_step:,} bytes per recorded step on the host")

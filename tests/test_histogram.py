@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import frexp_columns
 
-from ampviz import _binner
+from ampviz import _binner, _cpucount
 from ampviz import formats as F
 from ampviz import histogram as H
 
@@ -52,14 +52,14 @@ def test_noncontiguous_and_sparse_inputs(rng):
     assert H.histogram(s)[H.ZERO] == 0 and H.histogram(s).sum() == 2   # stored values only
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_binner_many_tensors_small_buffer(rng, background):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_binner_many_tensors_small_buffer(rng, threads):
     """One buffer far smaller than the tensors: chunked, double-buffered, same counts."""
     tensors = [torch.from_numpy(wide_sample(rng, n)) for n in (5000, 30, 12000)]
     tensors.append(tensors[0].to(torch.bfloat16))
     tensors.append(torch.from_numpy(wide_sample(rng, 3000)).clamp(-6e4, 6e4).half())
     counts = torch.zeros(len(tensors), H.NBINS, dtype=torch.int64)
-    b = H.Binner("cpu", capacity=4096, background=background)
+    b = H.Binner("cpu", capacity=4096, max_capacity=4096, threads=threads)
     b.target = counts.view(-1)
     for i, t in enumerate(tensors):
         b.add(t, i)
@@ -67,6 +67,34 @@ def test_binner_many_tensors_small_buffer(rng, background):
     b.close()
     for i, t in enumerate(tensors):
         np.testing.assert_array_equal(counts[i].numpy(), oracle_counts(t.double().numpy()))
+
+
+def test_binner_grows_instead_of_counting_mid_step_and_groups_small_tensors(rng):
+    small = [torch.from_numpy(wide_sample(rng, n)) for n in (7, 300, 1000)]
+    big = torch.from_numpy(wide_sample(rng, 20000))
+    counts = torch.zeros(4, H.NBINS, dtype=torch.int64)
+    b = H.Binner("cpu", capacity=4096, threads=2)
+    b.target = counts.view(-1)
+    b.add(big, 3)
+    assert b.capacity >= big.numel() and counts.sum() == 0          # grown, nothing counted yet
+    b.add_group(small, [0, 1, 2], _binner.group_offsets([t.numel() for t in small], [0, 1, 2], "cpu"))
+    b.submit()
+    b.close()
+    for i, t in enumerate(small + [big]):
+        np.testing.assert_array_equal(counts[i].numpy(), oracle_counts(t.numpy()))
+
+
+def test_parallel_count_equals_single_thread(rng):
+    keys = torch.from_numpy(rng.integers(0, 5 * H.NBINS, 1 << 19)).to(torch.int32)
+    one, many = (torch.zeros(5 * H.NBINS, dtype=torch.int64) for _ in range(2))
+    for threads, target in ((1, one), (4, many)):
+        b = H.Binner("cpu", capacity=keys.numel(), threads=threads)
+        b.target = target
+        b._keys(keys.numel()).copy_(keys)
+        b._fill = keys.numel()
+        b.submit()
+        b.close()
+    assert torch.equal(one, many) and one.sum() == keys.numel()
 
 
 def test_index_add_counting_path_equals_bincount(rng):
@@ -185,3 +213,26 @@ def test_labels_and_edges_agree():
     lo, hi, labels = H.lower_edges(), H.upper_edges(), H.bin_labels()
     assert len(labels) == H.NBINS and labels[H.column(-24)] == "(2^-24,2^-23]"
     assert lo[H.column(-24)] == 2.0 ** -24 and hi[H.column(-24)] == 2.0 ** -23
+
+
+@pytest.mark.skipif(not _cpucount.available(), reason="numba is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_numba_counter_equals_torch_binner(rng, dtype):
+    vals = torch.from_numpy(wide_sample(rng, 1 << 21 if dtype == torch.float32 else 30000))
+    if dtype == torch.float16:
+        vals = vals.clamp(-6e4, 6e4)
+    x = vals.to(dtype)
+    a, b = (torch.zeros(2, H.NBINS, dtype=torch.int64) for _ in range(2))
+    for counter, target in ((_cpucount.CpuCounter(threads=2), a), (H.Binner("cpu"), b)):
+        counter.target = target.view(-1)
+        counter.add(x, 1)
+        counter.add(x[::3], 0)                  # a strided view too
+        counter.submit()
+        counter.close()
+    assert torch.equal(a, b) and a[1].sum() == x.numel()
+
+
+def test_make_counter_falls_back_to_torch_without_numba(monkeypatch):
+    monkeypatch.setattr(_cpucount, "njit", None)
+    assert isinstance(_cpucount.make_counter("cpu"), H.Binner)
+    np.testing.assert_array_equal(H.histogram(torch.tensor([0.0, 1.0, 3.0])).numpy()[[0, 127, 129]], [1, 1, 1])

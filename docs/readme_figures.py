@@ -1,0 +1,31 @@
+"""Make the two pictures in the README from a real recorded run (CPU, about 15 s).
+
+    python docs/readme_figures.py          # writes docs/histogram.png and docs/scale_trace.png
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from ampviz.demo import train_demo
+from ampviz.plots import histogram_figure, scale_trace_figure
+
+OUT = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    run = train_demo(steps=300, seed=0, progress=False)
+    acts = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
+    first_steps = run.counts_in("unscaled")[0, :20][:, acts]          # (steps, tensors, bins)
+    fig = histogram_figure(first_steps, "fp16", log2_scale=0, domain="unscaled",
+                           title="Activation gradients of a deep sigmoid MLP, first 20 steps,")
+    fig.write_image(OUT / "histogram.png", width=1000, height=460)
+    fig = scale_trace_figure(run.steps, run.loss_scale[0], run.skipped[0], run.grown[0],
+                             title="GradScaler's loss scale in the same fp16 run (CPU)")
+    fig.write_image(OUT / "scale_trace.png", width=1000, height=380)
+    print(f"skipped {int(run.skipped.sum())} of {run.n_steps} steps; scale 2^{np.log2(run.loss_scale.min()):.0f}"
+          f"..2^{np.log2(run.loss_scale.max()):.0f}")
+
+
+if __name__ == "__main__":
+    main()
