@@ -15,6 +15,8 @@ When numba cannot be imported, :func:`available` is False and ampviz uses the to
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -121,7 +123,9 @@ class CpuCounter:
         else:                                  # fp64 (rounded), fp8 (exact): via fp32
             bits, kind, lut = flat.float().view(torch.int32).numpy(), 0, _NO_LUT
         out = self.target.numpy()[row * NBINS:(row + 1) * NBINS]
-        if bits.size >= _PARALLEL_MIN and self.threads > 1:
+        # numba's default thread pool must not be entered from two threads at once: only the main
+        # thread (where CPU backward hooks run) uses it
+        if bits.size >= _PARALLEL_MIN and self.threads > 1 and threading.current_thread() is threading.main_thread():
             _hist_parallel(bits, kind, lut, out, self.threads)
         elif bits.size:
             _hist_serial(bits, kind, lut, out)

@@ -1,7 +1,7 @@
 """Step-time overhead of recording gradients, as ratios against no capture in the same process.
 
-    python benchmarks/capture_overhead.py                 # both workloads, 40 rounds
-    python benchmarks/capture_overhead.py --workload mlp --rounds 60
+    python benchmarks/capture_overhead.py                 # both workloads, 20 rounds of 10-step blocks
+    python benchmarks/capture_overhead.py --workload mlp --rounds 40
 
 Workloads (CPU, bf16 autocast, AdamW): an MLP of 4 Linear(1024, 1024) at batch 512, and a
 transformer encoder of 4 layers, d_model 256, sequence 128, batch 2. Variants, each with its own
@@ -131,9 +131,10 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str) -> d
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["mlp", "tfm", "both"], default="both")
-    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--block", type=int, default=4, help="consecutive steps per variant per round")
+    ap.add_argument("--block", type=int, default=10,
+                    help="consecutive steps per variant per round (a multiple of 10: one every=10 capture per block)")
     a = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}")
     with tempfile.TemporaryDirectory() as logdir:
