@@ -28,9 +28,29 @@ __all__ = ["TorchPolicy", "DeepSpeedPolicy", "MegatronPolicy", "StaticPolicy", "
            "Replay", "replay", "policy_from_scaler", "policy_fields"]
 
 
-def _check(name, value, ok, valid):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not ok(value):
-        raise ValueError(f"{name}: got {value!r}; expected {valid}")
+# every numeric setting of every policy: (test, what is valid); min_scale is checked against init_scale
+_RULES = {
+    "init_scale": (lambda v, p: 0 < v < math.inf, "a positive finite number"),
+    "growth_factor": (lambda v, p: v > 1, "a number > 1"),
+    "scale_factor": (lambda v, p: v > 1, "a number > 1"),
+    "backoff_factor": (lambda v, p: 0 < v < 1, "a number in (0, 1)"),
+    "growth_interval": (lambda v, p: int(v) == v and v >= 1, "an integer >= 1"),
+    "scale_window": (lambda v, p: int(v) == v and v >= 1, "an integer >= 1"),
+    "hysteresis": (lambda v, p: int(v) == v and v >= 1, "an integer >= 1"),
+    "min_scale": (lambda v, p: 0 < v <= p.init_scale, "a number in (0, init_scale]"),
+}
+
+
+def _validate(policy) -> None:
+    """Check every numeric field of ``policy`` against _RULES, naming the field, value and valid range."""
+    for f in fields(policy):
+        if f.name not in _RULES:
+            continue
+        value = getattr(policy, f.name)
+        ok, valid = _RULES[f.name]
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not ok(value, policy):
+            raise ValueError(f"{f.name}: got {value!r}; expected {valid}")
 
 
 @dataclass(frozen=True)
@@ -44,10 +64,7 @@ class TorchPolicy:
     name = "pytorch"
 
     def __post_init__(self):
-        _check("init_scale", self.init_scale, lambda v: 0 < v < math.inf, "a positive finite number")
-        _check("growth_factor", self.growth_factor, lambda v: v > 1, "a number > 1")
-        _check("backoff_factor", self.backoff_factor, lambda v: 0 < v < 1, "a number in (0, 1)")
-        _check("growth_interval", self.growth_interval, lambda v: int(v) == v and v >= 1, "an integer >= 1")
+        _validate(self)
 
 
 @dataclass(frozen=True)
@@ -70,11 +87,7 @@ class DeepSpeedPolicy:
     name = "deepspeed"
 
     def __post_init__(self):
-        _check("init_scale", self.init_scale, lambda v: 0 < v < math.inf, "a positive finite number")
-        _check("scale_factor", self.scale_factor, lambda v: v > 1, "a number > 1")
-        _check("scale_window", self.scale_window, lambda v: int(v) == v and v >= 1, "an integer >= 1")
-        _check("min_scale", self.min_scale, lambda v: 0 < v <= self.init_scale, "a number in (0, init_scale]")
-        _check("hysteresis", self.hysteresis, lambda v: int(v) == v and v >= 1, "an integer >= 1")
+        _validate(self)
 
 
 @dataclass(frozen=True)
@@ -90,12 +103,7 @@ class MegatronPolicy:
     name = "megatron"
 
     def __post_init__(self):
-        _check("init_scale", self.init_scale, lambda v: 0 < v < math.inf, "a positive finite number")
-        _check("min_scale", self.min_scale, lambda v: 0 < v <= self.init_scale, "a number in (0, init_scale]")
-        _check("growth_factor", self.growth_factor, lambda v: v > 1, "a number > 1")
-        _check("backoff_factor", self.backoff_factor, lambda v: 0 < v < 1, "a number in (0, 1)")
-        _check("growth_interval", self.growth_interval, lambda v: int(v) == v and v >= 1, "an integer >= 1")
-        _check("hysteresis", self.hysteresis, lambda v: int(v) == v and v >= 1, "an integer >= 1")
+        _validate(self)
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class StaticPolicy:
     name = "static"
 
     def __post_init__(self):
-        _check("init_scale", self.init_scale, lambda v: 0 < v < math.inf, "a positive finite number")
+        _validate(self)
 
 
 POLICIES = {p.name: p for p in (TorchPolicy, DeepSpeedPolicy, MegatronPolicy, StaticPolicy)}
