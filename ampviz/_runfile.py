@@ -63,6 +63,9 @@ def _json_default(o):
 
 def read(path: Path) -> tuple[dict, dict]:
     """(arrays, metadata) of one run file, checked; raises RunFileError saying which file and what."""
+    if path.exists() and not path.is_dir() and not zipfile.is_zipfile(path):
+        raise RunFileError(f"{path}: not a readable ampviz run file (not a complete .npz archive: "
+                           f"truncated, corrupt, or another kind of file)")
     try:
         with np.load(path, allow_pickle=False) as z:
             if "meta" not in z.files:

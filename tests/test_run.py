@@ -103,7 +103,7 @@ def test_bad_files_give_clear_errors(tmp_path):
     with pytest.raises(RunFileError, match="trunc.npz: not a readable ampviz run file"):
         Run.load(tmp_path / "trunc.npz")
     (tmp_path / "junk.npz").write_bytes(b"hello, not a zip")
-    with pytest.raises(RunFileError, match="junk.npz: not a readable ampviz run file"):
+    with pytest.raises(RunFileError, match="junk.npz: not a readable ampviz run file \\(not a complete .npz"):
         Run.load(tmp_path / "junk.npz")
     np.savez(tmp_path / "foreign.npz", x=np.arange(3))
     with pytest.raises(RunFileError, match="foreign.npz: not an ampviz run"):
