@@ -275,3 +275,13 @@ def test_rank_comparison_has_one_line_per_rank():
         np.testing.assert_allclose(named(fig.data, f"rank {rank} max").y, np.log2(H.max_magnitude(counts)))
     with pytest.raises(TypeError, match="run: expected an ampviz.Run"):
         rank_comparison_figure(np.zeros(3))
+
+
+def test_histogram_title_says_when_values_already_carry_the_loss_scale():
+    from ampviz.plots import histogram_figure
+    counts = np.zeros(257, dtype=np.int64)
+    counts[100:110] = 5
+    scaled = histogram_figure(counts, "fp16", 0, domain="scaled", title="act").layout.title.text
+    unscaled = histogram_figure(counts, "fp16", 12, domain="unscaled", title="act").layout.title.text
+    assert "as scaled in the run" in scaled and "at loss scale" not in scaled
+    assert "at loss scale 2<sup>12</sup>" in unscaled

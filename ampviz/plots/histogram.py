@@ -162,7 +162,7 @@ def histogram_figure(counts, format="fp16", log2_scale=0, *, domain: str = "unsc
         fig.add_annotation(name=f"fraction:{r}", text="", xref="paper", yref="paper", x=0.07 + 0.22 * i,
                            y=1.0, xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=13))
     ticks, text = _main_ticks(lo, hi)
-    fig.update_layout(**base_layout(_title(title, fmt, s), _subtitle(fmt, s, domain), height=height,
+    fig.update_layout(**base_layout(_title(title, fmt, s, domain), _subtitle(fmt, s, domain), height=height,
                                     inline_subtitle=True, bargap=0, margin=dict(l=70, r=20, t=100, b=80)))
     fig.update_xaxes(range=[lo, hi], tickvals=ticks, ticktext=text, ticks="outside", row=1, col=2,
                      title_text=f"|gradient| ({domain}, log2 scale)")
@@ -181,7 +181,7 @@ def set_title(fig, title: str, format, log2_scale, domain: str = "unscaled", upd
     """Rewrite a histogram figure's title and subtitle for ``format`` at ``2**log2_scale`` (in place)."""
     fmt, s = get_format(format), check_log2_scale(log2_scale)
     d = {} if updates is None else updates
-    d["title.text"] = title_text(_title(title, fmt, s), _subtitle(fmt, s, check_domain(domain)))
+    d["title.text"] = title_text(_title(title, fmt, s, check_domain(domain)), _subtitle(fmt, s, domain))
     d["xaxis2.title.text"] = f"|gradient| ({domain}, log2 scale)"
     if updates is None:
         apply_layout(fig, d)
@@ -204,7 +204,11 @@ def _main_ticks(lo: float, hi: float) -> tuple:
     return [ticks[i] for i in keep], [text[i] for i in keep]
 
 
-def _title(title: str, fmt, s: int) -> str:
+def _title(title: str, fmt, s: int, domain: str = "unscaled") -> str:
+    if domain == "scaled" and s == 0:        # the values already carry the recorded loss scale
+        return f"{title} vs {fmt.name}, as scaled in the run"
+    if domain == "scaled":
+        return f"{title} vs {fmt.name}, as scaled in the run × 2<sup>{s}</sup> more"
     return f"{title} vs {fmt.name} at loss scale 2<sup>{s}</sup>"
 
 
