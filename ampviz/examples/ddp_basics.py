@@ -195,9 +195,12 @@ def main() -> None:
     value = torch.tensor([float(info["rank"] + 1)], device=info["device"])
     dist.all_reduce(value)
     line = (f"rank {info['rank']} of {info['world_size']} (pid {info['pid']}, backend {info['backend']}, "
-            f"device {info['device']}): all_reduce(rank + 1) = {value.item():g}\n")
-    sys.stdout.write(line)                    # one write: lines from the two ranks never interleave
-    sys.stdout.flush()
+            f"device {info['device']}): all_reduce(rank + 1) = {value.item():g}")
+    lines = [None] * info["world_size"]
+    dist.gather_object(line, lines if info["rank"] == 0 else None, dst=0)
+    if info["rank"] == 0:                     # one process prints: ranks' outputs never interleave
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
     dist.destroy_process_group()
 
 
