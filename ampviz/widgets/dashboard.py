@@ -39,7 +39,7 @@ from ..plots.histogram import (
     set_x_range,
 )
 from ..plots.trace import scale_trace_figure, set_recorded
-from ._common import figure_widget, number_text, pow2_label, table_html
+from ._common import figure_widget, pow2_label, table_html
 
 __all__ = ["RunDashboard", "ALL_TENSORS"]
 
@@ -205,7 +205,7 @@ class RunDashboard(W.VBox):
         run, r = self.run, self.run.rank_index(self.rank_dropdown.value)
         pos = int(np.searchsorted(run.steps, self.step_slider.value))
         total = int(self.counts.sum())
-        rows = [("step", str(self.step_slider.value)), ("loss", number_text(float(run.loss[r, pos]))),
+        rows = [("step", str(self.step_slider.value)), ("loss", f"{float(run.loss[r, pos]):.5g}"),
                 ("loss scale", pow2_label(int(round(np.log2(run.loss_scale[r, pos]))))),
                 ("skipped", "yes" if run.skipped[r, pos] else "no"), ("values", f"{total:,}"),
                 ("exact zeros", f"{int(self.counts[H.ZERO]):,}")]
