@@ -2,6 +2,7 @@
 
     python benchmarks/capture_overhead.py                 # both workloads, 20 rounds of 10-step blocks
     python benchmarks/capture_overhead.py --workload mlp --rounds 40
+    python benchmarks/capture_overhead.py --device cuda --amp fp16 --width 4096   # GPU, GradScaler("cuda")
 
 Workloads (CPU, bf16 autocast, AdamW): an MLP of 4 Linear(1024, 1024) at batch 512, and a
 transformer encoder of 4 layers, d_model 256, sequence 128, batch 2. Variants, each with its own
@@ -42,34 +43,38 @@ from ampviz.models import CharTransformer
 VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "tensorboard"]
 
 
-def make_workload(name: str):
+def make_workload(name: str, device="cpu", width: int = 1024):
     """(model, batch, loss_fn) with the same initial weights every call."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if name == "mlp":
         layers = []
         for i in range(4):
-            layers += [nn.Linear(1024, 1024)] + ([nn.ReLU()] if i < 3 else [])
+            layers += [nn.Linear(width, width)] + ([nn.ReLU()] if i < 3 else [])
         model = nn.Sequential(*layers)
-        batch = (torch.randn(512, 1024, generator=g), torch.randint(0, 1024, (512,), generator=g))
-        return model, batch, lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])
-    model = CharTransformer(vocab=2048, d_model=256, heads=4, layers=4, max_len=128)
-    ids = torch.randint(0, 2048, (2, 129), generator=g)
-    batch = (ids[:, :-1], ids[:, 1:])
-    return model, batch, lambda m, b: F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten())
+        batch = (torch.randn(512, width, generator=g), torch.randint(0, width, (512,), generator=g))
+        loss_fn = lambda m, b: F.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
+    else:
+        model = CharTransformer(vocab=2048, d_model=256, heads=4, layers=4, max_len=128)
+        ids = torch.randint(0, 2048, (2, 129), generator=g)
+        batch = (ids[:, :-1], ids[:, 1:])
+        loss_fn = lambda m, b: F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten())  # noqa: E731
+    return model.to(device), tuple(t.to(device) for t in batch), loss_fn
 
 
 class Variant:
-    def __init__(self, name: str, workload: str, logdir: str):
-        self.name = name
-        self.model, self.batch, self.loss_fn = make_workload(workload)
+    def __init__(self, name: str, workload: str, logdir: str, device="cpu", amp="bf16", width: int = 1024):
+        self.name, self.device = name, torch.device(device)
+        self.dtype = torch.float16 if amp == "fp16" else torch.bfloat16
+        self.model, self.batch, self.loss_fn = make_workload(workload, self.device, width)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.times: list[float] = []
         self.ratios: list[float] = []
         self.rec = self.writer = None
         self.step_i = 0
         if name.startswith("ampviz"):
-            self.rec = ampviz.Recorder(self.model, self.opt, activations=name != "ampviz-weights",
+            self.rec = ampviz.Recorder(self.model, self.opt, self.scaler, activations=name != "ampviz-weights",
                                        every=10 if name.endswith("10") else 1, max_bytes=1 << 30)
             self.rec.__enter__()
         elif name == "tensorboard":
@@ -85,20 +90,26 @@ class Variant:
             self.rec.wait()
         if self.writer is not None:
             self.writer.flush()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / steps
 
     def step(self) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=self.dtype):
             loss = self.loss_fn(self.model, self.batch)
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
         if self.name == "read-floor":
-            total = torch.zeros(())
+            total = torch.zeros((), device=self.device)
             for p in self.model.parameters():
                 total += p.grad.sum()
         elif self.writer is not None:
             for n, p in self.model.named_parameters():
                 self.writer.add_histogram(n, p.grad, self.step_i)
-        self.opt.step()
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.rec is not None:
             self.rec.step(loss)
@@ -111,8 +122,8 @@ class Variant:
             self.writer.close()
 
 
-def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str) -> dict:
-    variants = [Variant(v, workload, logdir) for v in VARIANTS]
+def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, **setup) -> dict:
+    variants = [Variant(v, workload, logdir, **setup) for v in VARIANTS]
     rng = random.Random(0)
     for r in range(rounds + warmup):
         per_step = {v.name: v.block(block) for v in rng.sample(variants, len(variants))}
@@ -133,13 +144,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=["mlp", "tfm", "both"], default="both")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--amp", choices=["bf16", "fp16"], default="bf16", help="fp16 adds a GradScaler")
+    ap.add_argument("--width", type=int, default=1024, help="MLP width (a larger model on a GPU: 4096)")
     ap.add_argument("--block", type=int, default=10,
                     help="consecutive steps per variant per round (a multiple of 10: one every=10 capture per block)")
     a = ap.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}, "
+          f"{a.device}, {a.amp} autocast{' + GradScaler' if a.amp == 'fp16' else ''}")
     with tempfile.TemporaryDirectory() as logdir:
         for w in (["mlp", "tfm"] if a.workload == "both" else [a.workload]):
-            res = bench(w, a.rounds, a.warmup, a.block, logdir)
+            res = bench(w, a.rounds, a.warmup, a.block, logdir, device=a.device, amp=a.amp, width=a.width)
             print(f"\n{w}: {res['params']:,} parameters; {a.rounds} rounds of {a.block}-step blocks "
                   f"after {a.warmup} warm-up rounds")
             print(f"{'variant':<16}{'median ms/step':>15}{'ratio':>8}")
