@@ -1,9 +1,11 @@
 """Loss-scaler policies, replayed offline over a recorded trace ("what if the scaler had been ...").
 
-Four policies: PyTorch's ``GradScaler``, DeepSpeed's ``DynamicLossScaler`` (hysteresis), Megatron-LM's
-``DynamicGradScaler`` (hysteresis, min_scale) and a static scale. A replay takes a per-step trace
-(the largest *unscaled* gradient magnitude of each step, or plain overflow flags) and returns the
-scale each step would have used and which steps would have been skipped::
+Four policies: PyTorch's ``GradScaler`` (float32 growth cap), DeepSpeed's ``DynamicLossScaler`` as in
+DeepSpeed 0.19.8 (hysteresis), Megatron-LM's ``DynamicGradScaler`` (hysteresis, min_scale, float32
+factors) and a static scale; each is tested step for step against the real class or its source. A
+replay takes a per-step trace (the largest *unscaled* gradient magnitude of each step, or plain
+overflow flags) and returns the scale each step would have used and which steps would have been
+skipped::
 
     >>> from ampviz.scaler import TorchPolicy, replay
     >>> r = replay(TorchPolicy(init_scale=2.0**16, growth_interval=2), [1.0, 1e-3, 1e-3, 1e-3])
@@ -41,6 +43,9 @@ _RULES = {
 }
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _validate(policy) -> None:
     """Check every numeric field of ``policy`` against _RULES, naming the field, value and valid range."""
     for f in fields(policy):
@@ -55,7 +60,14 @@ def _validate(policy) -> None:
 
 @dataclass(frozen=True)
 class TorchPolicy:
-    """``torch.amp.GradScaler``: back off on inf/nan, grow after ``growth_interval`` clean steps."""
+    """``torch.amp.GradScaler``: back off on inf/nan, grow after ``growth_interval`` clean steps.
+
+    As ``torch._amp_update_scale_`` does (CPU and CUDA kernels): the scale is a float32; an overflow
+    multiplies it by ``backoff_factor`` and zeroes the clean-step count; the ``growth_interval``-th clean
+    step in a row zeroes the count and multiplies the scale by ``growth_factor`` only if the product,
+    rounded to float32, is finite; otherwise the scale stays. ``init_scale`` must fit in float32:
+    GradScaler refuses a larger one ("value cannot be converted to type float without overflow").
+    """
 
     init_scale: float = 2.0 ** 16
     growth_factor: float = 2.0
@@ -65,16 +77,33 @@ class TorchPolicy:
 
     def __post_init__(self):
         _validate(self)
+        if self.init_scale > _F32_MAX:
+            raise ValueError(f"init_scale: got {self.init_scale!r}; expected a positive number <= {_F32_MAX!r} "
+                             f"(the float32 maximum: GradScaler keeps its scale in float32 and refuses more)")
 
 
 @dataclass(frozen=True)
 class DeepSpeedPolicy:
-    """DeepSpeed ``DynamicLossScaler``: divide by ``scale_factor`` after ``hysteresis`` overflows.
+    """DeepSpeed ``DynamicLossScaler.update_scale``, as in DeepSpeed 0.19.8 (the class ZeRO stages 1-3 use).
 
-    ``hysteresis`` is DeepSpeed's ``delayed_shift``; with ``consecutive_hysteresis`` a clean step
-    restores it. Growth happens when ``(step - last_overflow) % scale_window == 0``. With
-    ``raise_error_at_min_scale`` an overflow at ``min_scale`` ends the run, as DeepSpeed does
-    ("Current loss scale already at minimum").
+    The scaler counts iterations from 0 (every update advances it, overflow or not) and remembers the
+    last overflowing one (-1 before any). On an overflow: if ``hysteresis`` (DeepSpeed's
+    ``delayed_shift``) is 1 or the hysteresis left is down to 1, the scale is divided by
+    ``scale_factor``, floored at ``min_scale``; otherwise only the hysteresis left drops by one (the
+    scale stays). Either way the iteration becomes the last overflow. On a clean step the scale is
+    multiplied by ``scale_factor`` when ``(iteration - last_overflow) - 1`` is positive and a multiple of
+    ``scale_window``, i.e. after a full window of clean steps *following* the step after the overflow
+    (after steps 1000, 2000, ... from the start with the default window). The hysteresis left is
+    restored to ``hysteresis`` on every clean step with ``consecutive_hysteresis``, otherwise only when
+    the scale grows; it never goes below 1, so once used up every overflow backs off until then.
+
+    With ``raise_error_at_min_scale`` an overflow that would back off while the scale already equals
+    ``min_scale`` ends the run (DeepSpeed raises "Current loss scale already at minimum"): the replay
+    stops there and reports the step as ``crashed_at``. Without it the scale stays at ``min_scale``.
+
+    DeepSpeed's constructor fixes ``scale_factor`` at 2.0 and its config has no setting for it; other
+    values replay a scaler whose attribute was changed. The non-ZeRO ``FP16_Optimizer`` has its own
+    update with the same growth rule and no hysteresis: ``hysteresis=1, raise_error_at_min_scale=False``.
     """
 
     init_scale: float = 2.0 ** 16
@@ -92,7 +121,16 @@ class DeepSpeedPolicy:
 
 @dataclass(frozen=True)
 class MegatronPolicy:
-    """Megatron-LM ``DynamicGradScaler``: back off after ``hysteresis`` overflows, never below min_scale."""
+    """Megatron-LM ``DynamicGradScaler`` (megatron/core/optimizer/grad_scaler.py at NVIDIA/Megatron-LM
+    commit a025a69a4a69abbd6b87da02744947d6187d8d40; ``update`` is the same at the older eedfe533).
+
+    Scale, ``min_scale`` and both factors are float32 tensors, so every product is a float32 product
+    of float32-rounded factors. An overflow zeroes the clean-step count and takes one off the
+    hysteresis left; once that is <= 0 (it keeps falling) every overflow multiplies the scale by
+    ``backoff_factor``, floored at ``min_scale``. ``growth_interval`` clean steps in a row multiply it
+    by ``growth_factor`` and restore the hysteresis. Unlike GradScaler, growth is not capped: a scale
+    past the float32 maximum becomes inf, and an inf scale overflows every later step.
+    """
 
     init_scale: float = 2.0 ** 32
     min_scale: float = 1.0
@@ -158,10 +196,11 @@ def replay(policy, trace, format="fp16") -> Replay:
     Parameters
     ----------
     policy : TorchPolicy, DeepSpeedPolicy, MegatronPolicy or StaticPolicy.
-    trace : 1-D sequence, either of bools (the step overflowed, whatever the scale: use this to
-        drive a policy with a known overflow sequence) or of floats (largest unscaled gradient
-        magnitude of the step; inf/nan = overflow at any scale). A float step overflows when
-        ``magnitude * scale >= format.overflow_threshold`` (65520 for fp16).
+    trace : 1-D sequence, either of bools (True: the step overflowed, whatever the scale; False: it
+        did not at any finite scale; use this to drive a policy with a known overflow sequence) or of
+        floats (largest unscaled gradient magnitude of the step; inf/nan = overflow at any scale). A
+        float step overflows when ``magnitude * scale >= format.overflow_threshold`` (65520 for fp16)
+        or the product is nan (a zero magnitude at an infinite scale, as Megatron's can become).
     format : format the scaled gradients are computed in (must have inf: fp16, bf16, e5m2, ...).
 
     Returns
@@ -190,81 +229,104 @@ def replay(policy, trace, format="fp16") -> Replay:
                   np.asarray(grown, dtype=bool), crashed)
 
 
+def _overflows(m: float, s: float, threshold: float) -> bool:
+    """Whether a step of unscaled magnitude ``m`` overflows at scale ``s``.
+
+    A nan product counts: 0 * inf (an inf scale, Megatron's uncapped growth) and inf * 0 (a scale that
+    underflowed to 0) give nan gradients in a real run, which every scaler treats as an overflow.
+    """
+    x = m * s
+    return x >= threshold or x != x
+
+
 def _torch_steps(p: TorchPolicy, mags, threshold):
+    # _amp_update_scale_: scale * factor in double, rounded to float32; growth only if that is finite
     s, tracker = _f32(p.init_scale), 0
     gi, gf, bf = int(p.growth_interval), float(p.growth_factor), float(p.backoff_factor)
     scales, skipped, grown = [], [], []
     for m in mags:
         scales.append(s)
-        over = m * s >= threshold
+        over = _overflows(m, s, threshold)
         skipped.append(over)
-        g = False
+        new = s
         if over:
-            s, tracker = _f32(s * bf), 0
+            new, tracker = _f32(s * bf), 0
         else:
             tracker += 1
             if tracker == gi:
-                new = _f32(s * gf)
-                if new != math.inf:
-                    s, g = new, True
-                tracker = 0
-        grown.append(g)
+                candidate = _f32(s * gf)
+                if math.isfinite(candidate):
+                    new = candidate
+                tracker = 0       # the count restarts even when the growth was refused
+        grown.append(new > s)
+        s = new
     return scales, skipped, grown, None
 
 
 def _deepspeed_steps(p: DeepSpeedPolicy, mags, threshold):
+    # DeepSpeed 0.19.8 DynamicLossScaler: cur_scale is a Python float; `it` is cur_iter
     s, hyst, last_overflow = float(p.init_scale), int(p.hysteresis), -1
+    window, factor, floor = int(p.scale_window), float(p.scale_factor), float(p.min_scale)
     scales, skipped, grown, crashed = [], [], [], None
     for it, m in enumerate(mags):
         scales.append(s)
-        over = m * s >= threshold
+        over = _overflows(m, s, threshold)
         skipped.append(over)
-        g = False
+        new = s
         if over:
             if p.hysteresis == 1 or hyst == 1:
-                if s == p.min_scale and p.raise_error_at_min_scale:
+                if s == floor and p.raise_error_at_min_scale:
+                    # DeepSpeed raises before cur_iter or last_overflow_iter move: the run ends here
                     crashed = it
                     grown.append(False)
                     break
-                s = max(s / p.scale_factor, p.min_scale)
+                new = max(s / factor, floor)
             else:
-                hyst -= 1
+                hyst -= 1         # only reached while hyst > 1, so it never drops below 1
             last_overflow = it
         else:
             if p.consecutive_hysteresis:
                 hyst = int(p.hysteresis)
-            if (it - last_overflow) % int(p.scale_window) == 0:
+            # clean steps since the step after the last overflow: the first step after an overflow
+            # (and step 0) never grows, a growth needs `window` clean steps after it
+            stable = it - last_overflow - 1
+            if stable > 0 and stable % window == 0:
                 if not p.consecutive_hysteresis:
                     hyst = int(p.hysteresis)
-                s, g = s * p.scale_factor, True
-        grown.append(g)
+                new = s * factor
+        grown.append(new > s)
+        s = new
     return scales, skipped, grown, crashed
 
 
 def _megatron_steps(p: MegatronPolicy, mags, threshold):
+    # Megatron keeps scale, factors and min_scale as float32 tensors: round the factors first, then
+    # every product (exact in double for two float32s) rounds once to float32, as a float32 multiply
     s, growth, hyst = _f32(p.init_scale), 0, int(p.hysteresis)
+    gf, bf, floor = _f32(p.growth_factor), _f32(p.backoff_factor), _f32(p.min_scale)
     scales, skipped, grown = [], [], []
     for m in mags:
         scales.append(s)
-        over = m * s >= threshold
+        over = _overflows(m, s, threshold)
         skipped.append(over)
-        g = False
+        new = s
         if over:
             growth, hyst = 0, hyst - 1
             if hyst <= 0:
-                s = max(_f32(s * p.backoff_factor), _f32(p.min_scale))
+                new = max(_f32(s * bf), floor)
         else:
             growth += 1
             if growth == int(p.growth_interval):
                 growth, hyst = 0, int(p.hysteresis)
-                s, g = _f32(s * p.growth_factor), True
-        grown.append(g)
+                new = _f32(s * gf)      # no float32 cap: may become inf
+        grown.append(new > s)
+        s = new
     return scales, skipped, grown, None
 
 
 def _static_steps(p: StaticPolicy, mags, threshold):
     s = float(p.init_scale)
-    over = [m * s >= threshold for m in mags]
+    over = [_overflows(m, s, threshold) for m in mags]
     return [s] * len(mags), over, [False] * len(mags), None
 
 

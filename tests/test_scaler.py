@@ -60,13 +60,19 @@ def test_magnitude_trace_overflows_at_the_fp16_threshold():
 
 
 def test_deepspeed_hysteresis_by_hand():
+    # checked against DeepSpeed 0.19.8's DynamicLossScaler (tests/test_scaler_peers.py drives the real class)
     p = DeepSpeedPolicy(init_scale=1024.0, scale_factor=2.0, scale_window=3, min_scale=1.0, hysteresis=2)
-    flags = [True, True, False, False, False, True, False]
+    flags = [True, True, False, False, False, False, True, False]
     r = replay(p, flags)
-    # 1st overflow only uses up hysteresis; 2nd halves; growth when (it - last_overflow) % 3 == 0
-    assert r.scale.tolist() == [1024, 1024, 512, 512, 512, 1024, 1024]
+    # 1st overflow only uses up hysteresis; 2nd halves; growth when (it - last_overflow) - 1 is a positive
+    # multiple of 3: after step 5 (last overflow at 1), which also restores hysteresis, so the overflow at
+    # step 6 only uses it up again
+    assert r.scale.tolist() == [1024, 1024, 512, 512, 512, 512, 1024, 1024]
     assert r.skipped.tolist() == flags
-    assert r.grown.tolist() == [False, False, False, False, True, False, False]
+    assert r.grown.tolist() == [False] * 5 + [True, False, False]
+    # without the growth the hysteresis stays used up: the overflow at step 5 halves again
+    assert replay(p, [True, True, False, False, False, True, False]).scale.tolist() == \
+        [1024, 1024, 512, 512, 512, 512, 256]
 
 
 def test_deepspeed_consecutive_hysteresis_and_min_scale_crash():
