@@ -2,7 +2,7 @@
 
 Entries: ``meta`` (a 0-d unicode array holding JSON: magic "ampviz-run", schema version, rank,
 tensor names/kinds/dtypes, recorder settings) and the arrays in ``ARRAYS``. Writes are atomic
-(a temp file in the same directory, then ``os.replace``), so a process that dies mid-write
+(``ampviz._files.atomic_write``: a temp file in the same directory, then a rename), so a process that dies mid-write
 leaves the previous file intact. Reads use ``allow_pickle=False`` and turn every failure into
 a :class:`RunFileError` naming the file and the problem.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from ._files import atomic_write
 
 SCHEMA_VERSION = 1
 MAGIC = "ampviz-run"
@@ -30,25 +30,8 @@ class RunFileError(ValueError):
 def write(target: Path, arrays: dict, meta: dict) -> None:
     """Write one rank's arrays and JSON metadata to ``target`` atomically (temp file + rename)."""
     meta = dict(meta, magic=MAGIC, schema=SCHEMA_VERSION)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, meta=np.array(json.dumps(meta, default=_json_default)), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600 files; give the usual permissions
-        os.replace(tmp, target)        # atomic: readers see the old file or the new one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    atomic_write(target, lambda f: np.savez_compressed(
+        f, meta=np.array(json.dumps(meta, default=_json_default)), **arrays))
 
 
 def _json_default(o):

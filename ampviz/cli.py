@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from . import __version__
+from ._extras import MissingExtra, require
 from .formats import FORMATS
 from .run import Run, RunFileError
 
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
-    except (RunFileError, ValueError, OSError) as e:
+    except (RunFileError, ValueError, OSError, MissingExtra) as e:
         return _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
         return _fail("interrupted", status=130)
@@ -123,6 +124,7 @@ def _check_output_file(path: Path) -> None:
 
 
 def _cmd_report(args) -> int:
+    require("plotly", "ampviz report")
     from .report import write_report
     _check_output_file(args.output)
     runs = [_load(Path(path)) for path in args.runs]
@@ -134,7 +136,10 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import resolve_device, train_demo
+    for module in ("sklearn", "tqdm", "plotly"):          # its data, its progress bar, its report
+        require(module, "ampviz demo")
+    from ._args import resolve_device
+    from .demo import train_demo
     from .report import summary_rows, write_report
     out = args.output
     if out.exists() and not out.is_dir():

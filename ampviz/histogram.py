@@ -21,7 +21,7 @@ into a preallocated counts buffer. No ``.item()``, no host copy per tensor::
     >>> h = H.histogram(torch.tensor([0.0, 1e-8, 3.0, float("inf")]))
     >>> int(h[H.ZERO]), int(h[H.column(1)]), int(h[H.ABOVE])     # 3.0 is in (2, 4]
     (1, 1, 1)
-    >>> H.fate(h.numpy(), "fp16", scale=1.0).flushed                    # 1e-8 -> 0 in fp16
+    >>> int(H.fate(h.numpy(), "fp16", scale=1.0).flushed)               # 1e-8 -> 0 in fp16
     1
 """
 
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._binner import NBINS, Binner
-from ._cpucount import make_counter
+from ._binning import NBINS, Binner
+from ._binning_numba import make_counter
 from .formats import Format, get_format
 
 __all__ = [
     "NBINS", "ZERO", "BELOW", "ABOVE", "NAN", "K_MIN", "K_MAX", "column", "binade_exponents",
-    "lower_edges", "upper_edges", "histogram", "histograms", "Binner", "Fate", "fate", "fate_table",
-    "max_magnitude", "shift", "bin_labels",
+    "lower_edges", "upper_edges", "histogram", "histograms", "Binner", "Fate", "fate", "fate_table", "cast_counts",
+    "max_magnitude", "shift", "bin_labels", "as_counts",
 ]
 
 ZERO, BELOW, ABOVE, NAN = 0, 1, 255, 256
@@ -185,16 +185,56 @@ def fate(counts, format, scale=None, *, log2_scale=None) -> Fate:
     """
     fmt = get_format(format)
     s = _scale_log2(scale, log2_scale)
-    c = _as_counts(counts)
+    c = as_counts(counts)
     cat = _category_of_binades(fmt, s)
     parts = [c[..., cat == i].sum(axis=-1) for i in range(6)]
     return Fate(*parts)
 
 
+def cast_counts(tensors, format, scale: float = 1.0) -> dict:
+    """What a real cast ``(x * scale).to(format.dtype)`` does to the values of ``tensors``, counted.
+
+    The oracle for :func:`fate`. ``tensors`` is a tensor or a list of them; the product is formed in
+    float64 and rounded to float32 first, as an fp32 ``x * scale`` is. Returns counts ``zero``
+    (already 0), ``nan`` (already nan), ``flushed`` (non-zero, became 0), ``overflow`` (became inf,
+    or, for a saturating format such as e4m3fn, was clamped to ``max`` from beyond the rounding
+    edge), ``subnormal`` and ``normal`` (the rest, by the magnitude after the cast), and
+    ``relative_error``: the mean of ``|x' - x| / |x|`` over the normal values, ``x'`` being the cast
+    value divided by the scale again (the format's precision).
+    """
+    fmt = get_format(format)
+    if fmt.dtype is None:
+        raise ValueError(f"format: {fmt.name} has no torch dtype to cast to")
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        raise TypeError("tensors: expected a floating-point tensor or a non-empty list of them")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+    v = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    nan = torch.isnan(v)
+    scaled = (v * scale).float()
+    cast = scaled.to(fmt.dtype).double()
+    nonzero = (v != 0) & ~nan
+    flushed = nonzero & (cast == 0)
+    if fmt.saturates:      # e4m3fn: no inf, torch clamps to max; beyond the rounding edge is an overflow
+        a, edge = scaled.double().abs(), fmt.overflow_threshold
+        over = nonzero & ((a > edge) | ((a == edge) & (not fmt.overflow_tie_rounds_down)))
+    else:
+        over = nonzero & torch.isinf(cast)
+    kept = nonzero & ~flushed & ~over
+    normal = kept & (cast.abs() >= fmt.min_normal)
+    err = ((cast / scale - v).abs() / v.abs())[normal]
+    return {"zero": int(((v == 0)).sum()), "nan": int(nan.sum()), "flushed": int(flushed.sum()),
+            "subnormal": int((kept & ~normal).sum()), "normal": int(normal.sum()), "overflow": int(over.sum()),
+            "relative_error": float(err.mean()) if err.numel() else 0.0}
+
+
 def fate_table(counts, format, log2_scales) -> dict[str, np.ndarray]:
     """:func:`fate` for many integer log2 scales at once: arrays of shape (len(log2_scales), ...)."""
     fmt = get_format(format)
-    c = _as_counts(counts)
+    c = as_counts(counts)
     scales = [_scale_log2(log2_scale=s) for s in log2_scales]
     out = {f: [] for f in ("zero", "flushed", "subnormal", "normal", "overflow", "nan")}
     for s in scales:
@@ -209,7 +249,7 @@ def max_magnitude(counts) -> np.ndarray:
 
     inf when anything is above 2**127, inf or nan; 0 when everything is zero.
     """
-    c = _as_counts(counts)
+    c = as_counts(counts)
     nonempty = c > 0
     nonfinite = nonempty[..., ABOVE] | nonempty[..., NAN]
     idx = np.where(nonempty[..., :ABOVE], np.arange(ABOVE), -1).max(axis=-1)
@@ -223,7 +263,7 @@ def shift(counts, log2_scale) -> np.ndarray:
     Values pushed below 2**-126 join "below", above 2**127 join "above". ``log2_scale`` may be an
     array broadcastable against ``counts.shape[:-1]`` (one shift per row, e.g. per step).
     """
-    c = _as_counts(counts)
+    c = as_counts(counts)
     s = np.broadcast_to(np.asarray(log2_scale), c.shape[:-1]).reshape(-1)
     if not np.all(np.mod(s, 1) == 0):
         raise ValueError("log2_scale: expected integers (only power-of-two scales shift exactly)")
@@ -251,10 +291,21 @@ def _shift_rows(c: np.ndarray, s: int) -> np.ndarray:
     return out
 
 
-def _as_counts(counts) -> np.ndarray:
+def as_counts(counts, name: str = "counts", axes: tuple | None = None) -> np.ndarray:
+    """``counts`` as a numpy array checked to be histogram counts: last axis of NBINS bins, numbers
+    that are finite (integers, or floats such as averaged counts), and exactly the leading ``axes``
+    if given (their names, e.g. ``("steps",)``, for the error message).
+
+    A torch tensor is copied to the host (one device->host copy per call).
+    """
     if isinstance(counts, torch.Tensor):
         counts = counts.detach().cpu().numpy()   # note: a device->host copy (one per call)
     c = np.asarray(counts)
-    if c.shape[-1:] != (NBINS,):
-        raise ValueError(f"counts: last axis must have {NBINS} bins, got shape {c.shape}")
+    if axes is not None and (c.ndim != len(axes) + 1 or c.shape[-1] != NBINS):
+        raise ValueError(f"{name}: expected shape ({', '.join(axes)}, {NBINS}), got {c.shape}")
+    if c.ndim == 0 or c.shape[-1] != NBINS:
+        raise ValueError(f"{name}: expected an array whose last axis has {NBINS} bins (see ampviz.histogram), "
+                         f"got shape {c.shape}")
+    if c.dtype.kind not in "iuf" or (c.dtype.kind == "f" and not np.all(np.isfinite(c))):
+        raise ValueError(f"{name}: expected finite numeric counts, got dtype {c.dtype}")
     return c

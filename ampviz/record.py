@@ -48,10 +48,11 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import __version__
-from ._binner import group_offsets
-from ._cpucount import make_counter
-from ._store import StepStore
-from ._targets import dist_info, first_grad_tensor, is_ddp, select
+from ._args import check_int
+from ._binning import group_offsets
+from ._binning_numba import make_counter
+from ._record_store import StepStore
+from ._record_targets import dist_info, first_grad_tensor, is_ddp, select
 from .run import Run
 
 __all__ = ["Recorder"]
@@ -91,9 +92,8 @@ class Recorder:
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
-        for name, value, low in (("every", every, 1), ("flush_every", flush_every, 1), ("max_bytes", max_bytes, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        for name, value in (("every", every), ("flush_every", flush_every), ("max_bytes", max_bytes)):
+            check_int(name, value, low=1)
         self.enabled = bool(enabled)
         self._ddp = model if is_ddp(model) else None
         if local_weights and self._ddp is None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import html
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,11 +23,12 @@ import numpy as np
 
 from . import __version__
 from . import histogram as H
+from ._files import atomic_write
 from .formats import get_format
-from .run import DOMAINS, Run
+from .run import Run
 
 __all__ = ["write_report", "report_html", "representative_steps", "summary_rows", "worst_without_scaling",
-           "pooled_counts", "tensor_counts_at", "format_scale"]
+           "format_scale"]
 
 
 def format_scale(value) -> str:
@@ -44,37 +43,6 @@ def _percent(fraction: float) -> str:
     return f"{100 * fraction:.3g}%"
 
 
-def _shifts(run: Run, domain: str, rank: int) -> tuple[list, np.ndarray]:
-    """Per tensor, the sign of the shift into ``domain`` (0: stored there), and the (H,) log2 scales."""
-    if domain not in DOMAINS:
-        raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
-    stored = run.meta.get("domains", {})
-    signs = [0 if domain == "recorded" or stored.get(k, "unscaled") == domain else (-1 if domain == "unscaled" else 1)
-             for k in run.tensor_kinds]
-    return signs, np.rint(run.scale_log2_at_hist()[rank]).astype(np.int64)
-
-
-def pooled_counts(run: Run, domain: str = "unscaled", rank: int = 0, kind=None) -> np.ndarray:
-    """(H, NBINS) counts of all tensors (or those of one ``kind``) of rank index ``rank`` in ``domain``.
-
-    Equal to ``run.counts_in(domain)[rank].sum(axis=1)`` (a power-of-two shift commutes with the
-    sum), without copying the whole counts array: tensors are summed per stored domain, then shifted.
-    """
-    signs, log2s = _shifts(run, domain, rank)
-    total = np.zeros((run.hist_steps.size, H.NBINS), dtype=np.int64)
-    for sign in set(signs):
-        idx = [t for t, (g, k) in enumerate(zip(signs, run.tensor_kinds)) if g == sign and kind in (None, k)]
-        if idx:
-            total += H.shift(run.counts[rank][:, idx].sum(axis=1), sign * log2s)
-    return total
-
-
-def tensor_counts_at(run: Run, row: int, domain: str = "unscaled", rank: int = 0) -> np.ndarray:
-    """(T, NBINS) counts of every tensor at histogram row ``row`` of rank index ``rank`` in ``domain``."""
-    signs, log2s = _shifts(run, domain, rank)
-    return H.shift(run.counts[rank, row], np.asarray(signs) * log2s[row])
-
-
 def worst_without_scaling(run: Run, format="fp16") -> tuple[float, str | None]:
     """Largest fraction of non-zero values of any tensor and step that would flush to zero in
     ``format`` if the loss were not scaled, and that tensor's name.
@@ -85,10 +53,8 @@ def worst_without_scaling(run: Run, format="fp16") -> tuple[float, str | None]:
     """
     worst, name = 0.0, None
     for r in range(len(run.ranks)):
-        signs, log2s = _shifts(run, "unscaled", r)
-        for t, sign in enumerate(signs):            # one tensor at a time: no copy of the whole run
-            c = H.shift(run.counts[r, :, t], sign * log2s)                                   # (H, NBINS)
-            flushed = H.fate(c, format, 1.0).fraction("flushed")
+        for t in range(len(run.tensor_names)):      # one tensor at a time: no copy of the whole run
+            flushed = H.fate(run.tensor_counts(t, "unscaled", r), format, 1.0).fraction("flushed")
             if flushed.size and flushed.max() > worst:
                 worst, name = float(flushed.max()), run.tensor_names[t]
     return worst, name
@@ -192,7 +158,7 @@ def representative_steps(run: Run, format="fp16", rank: int = 0) -> list[tuple[i
     fmt = get_format(format)
     picks = [(0, "first step")]
     for domain, why in (("scaled", "worst underflow"), ("unscaled", _WITHOUT_SCALING)):
-        flushed = H.fate(pooled_counts(run, domain, rank), fmt, 1.0).fraction("flushed")           # (H,)
+        flushed = H.fate(run.pooled_counts(domain, rank), fmt, 1.0).fraction("flushed")           # (H,)
         if flushed.max() > 0:
             picks.append((int(flushed.argmax()), f"{why}: {_percent(flushed.max())} flushed"))
             break
@@ -247,16 +213,7 @@ def write_report(runs, path, labels=None, format="fp16", title: str = "ampviz re
     if path.is_dir():
         raise ValueError(f"path: {path} is a directory; give the HTML file to write")
     page = report_html(runs, labels=labels, format=format, title=title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(page), text=True)
     return path
 
 
@@ -266,8 +223,8 @@ def _figure_html(fig, div_id: str) -> str:
 
 
 def _run_section(run: Run, label: str, fmt, anchor: str) -> str:
+    from .gradient_trace import trace_from_run
     from .plots import rank_comparison_figure, scale_trace_figure
-    from .trace import trace_from_run
     parts = [f'<h2 id="{anchor}">{html.escape(label)}</h2>', rows_as_html(summary_rows(run, fmt))]
     if run.n_steps:
         ceiling = trace_from_run(run, fmt) if run.hist_steps.size and run.meta.get("scaler") else None
@@ -289,8 +246,8 @@ def _note(text: str) -> str:
 def _histogram_parts(run: Run, fmt, anchor: str) -> list[str]:
     """Histograms at representative steps (all tensors), per tensor at the worst step, heatmaps (rank 0)."""
     from .plots import heatmap_figure, histogram_figure, layer_histograms_figure
-    pooled = pooled_counts(run, "unscaled")                                    # (H, NBINS)
-    log2s = np.rint(run.scale_log2_at_hist()[0]).astype(int)                   # (H,)
+    pooled = run.pooled_counts("unscaled")                                      # (H, NBINS)
+    log2s = run.log2_scales()[0]                                               # (H,)
     steps = representative_steps(run, fmt)
     parts = [f"<h3>Gradient magnitudes against {fmt.name}</h3>" + _note(
         f"All tensors of rank {run.ranks[0]}, unscaled; the shading shows where each value lands at the loss "
@@ -301,12 +258,12 @@ def _histogram_parts(run: Run, fmt, anchor: str) -> list[str]:
         parts.append(_figure_html(fig, f"{anchor}-hist-{step}"))
     step, why = next(((s, w) for s, w in steps if w.startswith("worst")), steps[-1])
     h = run.hist_index(step)
-    fig = layer_histograms_figure(tensor_counts_at(run, h), run.tensor_names, fmt, _shown_scale(why, log2s[h]),
+    fig = layer_histograms_figure(run.counts_at(h), run.tensor_names, fmt, _shown_scale(why, log2s[h]),
                                   title=f"Gradient magnitudes per tensor, step {step}")
     parts += [f"<h3>Per tensor at step {step} ({why})</h3>", _figure_html(fig, f"{anchor}-tensors"),
               "<h3>Over the run</h3>"]
     for kind in dict.fromkeys(run.tensor_kinds):
-        fig = heatmap_figure(pooled_counts(run, "unscaled", kind=kind), run.hist_steps, fmt, log2s,
+        fig = heatmap_figure(run.pooled_counts("unscaled", kind=kind), run.hist_steps, fmt, log2s,
                              title=f"{kind.capitalize()} gradients per step (unscaled)")
         parts.append(_figure_html(fig, f"{anchor}-heatmap-{kind}"))
     return parts

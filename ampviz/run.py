@@ -29,12 +29,14 @@ import numpy as np
 
 from . import _runfile
 from . import histogram as H
+from ._args import check_choice
 from ._runfile import SCHEMA_VERSION, RunFileError
 from ._warnings import AmpvizWarning
 
-__all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS"]
+__all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS", "VIEWS"]
 
-DOMAINS = ("unscaled", "scaled", "recorded")
+DOMAINS = ("unscaled", "scaled")      # as the optimizer sees a gradient, or multiplied by the loss scale
+VIEWS = DOMAINS + ("recorded",)       # what counts_in() accepts: a domain, or the counts as stored
 _PER_RANK = ("loss", "loss_scale", "next_scale", "skipped", "counts")
 
 
@@ -53,6 +55,8 @@ class Run:
     tensor_kinds: list
     tensor_dtypes: list
     meta: dict = field(default_factory=dict)
+
+    _log2_scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._validate("Run")
@@ -97,45 +101,111 @@ class Run:
         return int(idx)
 
     # ------------------------------------------------------------------ domains
+    # Weight gradients are stored unscaled, activation gradients scaled (x the loss scale of their
+    # step). Every view of the counts in one domain goes through the methods below: a power-of-two
+    # loss scale shifts a binade histogram by exactly log2(scale) columns (ampviz.histogram.shift).
     def scale_log2_at_hist(self) -> np.ndarray:
-        """(R, H) log2 of the loss scale used at each histogram step."""
+        """(R, H) log2 of the loss scale used at each histogram step (not rounded)."""
         pos = np.searchsorted(self.steps, self.hist_steps)
         return np.log2(self.loss_scale[:, pos])
 
-    def counts_in(self, domain: str = "unscaled") -> np.ndarray:
-        """Counts with every tensor in one domain: "unscaled", "scaled" (x loss scale), "recorded".
+    def log2_scales(self) -> np.ndarray:
+        """(R, H) integer log2 of the loss scale used at each histogram step: the shift between domains.
 
-        Shifting by the loss scale is exact for power-of-two scales (GradScaler's defaults keep it
-        one); other scales are rounded to the nearest power of two, with a warning.
+        Exact for power-of-two scales (GradScaler's defaults keep it one); other scales are rounded
+        to the nearest power of two, with one warning per run.
         """
-        if domain not in DOMAINS:
-            raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
+        if self._log2_scales is None:
+            log2s = self.scale_log2_at_hist()
+            finite = np.isfinite(log2s)
+            if not np.all(np.mod(log2s[finite], 1) == 0):
+                warnings.warn("loss scales that are not powers of two: shifting by the nearest power of two",
+                              AmpvizWarning, stacklevel=3)
+            self._log2_scales = np.rint(np.where(finite, log2s, 0)).astype(np.int64)
+        return self._log2_scales
+
+    def stored_domain(self, tensor) -> str:
+        """The domain a tensor's counts are stored in: "unscaled" or "scaled"."""
+        kind = self.tensor_kinds[self.tensor_index(tensor)]
+        return self.meta.get("domains", {}).get(kind, "unscaled")
+
+    def _shift_sign(self, t: int, domain: str) -> int:
+        """0 if tensor index ``t`` is stored in ``domain``, else the sign of the shift into it."""
+        check_choice("domain", domain, VIEWS)
+        if domain == "recorded" or self.stored_domain(t) == domain:
+            return 0
+        return -1 if domain == "unscaled" else 1
+
+    def tensor_counts(self, tensor, domain: str = "unscaled", rank_index: int = 0) -> np.ndarray:
+        """(H, NBINS) counts of one tensor (name or index) of one rank (by position) in ``domain``."""
+        t = self.tensor_index(tensor)
+        c = self.counts[rank_index, :, t]
+        sign = self._shift_sign(t, domain)
+        return H.shift(c, sign * self.log2_scales()[rank_index]) if sign else c
+
+    def pooled_counts(self, domain: str = "unscaled", rank_index: int = 0, tensors=None, kind=None) -> np.ndarray:
+        """(H, NBINS) counts summed over tensors (names/indices, default all; optionally of one ``kind``).
+
+        Equal to ``counts_in(domain)[rank_index][:, tensors].sum(axis=1)``, without copying the whole
+        counts array: tensors are summed per stored domain, then shifted once (a shift is linear).
+        """
+        idx = self.tensor_indices(tensors, kind)
+        if not idx:
+            raise ValueError("tensors: the selection is empty")
+        counts = self.counts[rank_index]                                           # (H, T, NBINS)
+        total = np.zeros((counts.shape[0], H.NBINS), dtype=np.int64)
+        for sign in (0, -1, 1):
+            group = [t for t in idx if self._shift_sign(t, domain) == sign]
+            if group:
+                part = counts[:, group].sum(axis=1)
+                total += H.shift(part, sign * self.log2_scales()[rank_index]) if sign else part
+        return total
+
+    def counts_at(self, row: int, domain: str = "unscaled", rank_index: int = 0) -> np.ndarray:
+        """(T, NBINS) counts of every tensor at histogram row ``row`` of one rank in ``domain``."""
+        signs = np.array([self._shift_sign(t, domain) for t in range(len(self.tensor_names))], dtype=np.int64)
+        return H.shift(self.counts[rank_index, row], signs * self.log2_scales()[rank_index, row])
+
+    def counts_in(self, domain: str = "unscaled") -> np.ndarray:
+        """(R, H, T, NBINS) counts with every tensor in ``domain``: "unscaled", "scaled", or "recorded"
+        (as stored). A copy of the whole array: for one tensor or a sum of tensors, use
+        :meth:`tensor_counts` or :meth:`pooled_counts`.
+        """
+        check_choice("domain", domain, VIEWS)
         if domain == "recorded":
             return self.counts
-        stored = [self.meta.get("domains", {}).get(k, "unscaled") for k in self.tensor_kinds]
-        log2s = self.scale_log2_at_hist()                                        # (R, H)
-        if not np.all(np.mod(log2s, 1) == 0):
-            warnings.warn("loss scales that are not powers of two: shifting by the nearest power of two",
-                          AmpvizWarning, stacklevel=2)
-        log2s = np.rint(log2s).astype(np.int64)
         out = self.counts.copy()
-        for t, have in enumerate(stored):
-            if have == domain:
-                continue
-            sign = -1 if domain == "unscaled" else 1
-            out[:, :, t] = H.shift(self.counts[:, :, t], sign * log2s)
+        for t in range(len(self.tensor_names)):
+            sign = self._shift_sign(t, domain)
+            if sign:
+                out[:, :, t] = H.shift(self.counts[:, :, t], sign * self.log2_scales())
         return out
+
+    def tensor_indices(self, tensor=None, kind=None) -> list:
+        """Indices selected by a tensor name/index (or a list of them) and/or a kind; all by default."""
+        if tensor is None:
+            idx = list(range(len(self.tensor_names)))
+        elif isinstance(tensor, (list, tuple)):
+            idx = [self.tensor_index(t) for t in tensor]
+        else:
+            idx = [self.tensor_index(tensor)]
+        if kind is not None:
+            kinds = sorted(set(self.tensor_kinds))
+            if kind not in kinds:
+                raise ValueError(f"kind: expected one of {kinds} or None, got {kind!r}")
+            idx = [i for i in idx if self.tensor_kinds[i] == kind]
+            if not idx:
+                raise ValueError(f"kind: no {kind} tensor among the selected tensors {tensor!r}")
+        return idx
 
     def histogram(self, step, tensor, rank=None, domain: str = "unscaled") -> np.ndarray:
         """(NBINS,) counts of one tensor at one step (rank defaults to the first)."""
         r = 0 if rank is None else self.rank_index(rank)
-        h, t = self.hist_index(step), self.tensor_index(tensor)
-        one = self.select(rank=self.ranks[r])
-        return one.counts_in(domain)[0, h, t] if domain != "recorded" else self.counts[r, h, t]
+        return self.tensor_counts(tensor, domain, r)[self.hist_index(step)]
 
     def step_max_magnitude(self, domain: str = "unscaled") -> np.ndarray:
         """(R, H) upper bound of the largest gradient magnitude of each histogram step."""
-        return H.max_magnitude(self.counts_in(domain).sum(axis=2))
+        return H.max_magnitude(np.stack([self.pooled_counts(domain, r) for r in range(len(self.ranks))]))
 
     def select(self, rank=None, tensors=None) -> Run:
         """A Run restricted to one rank and/or some tensors (names or indices)."""

@@ -12,7 +12,7 @@ rounded; powers of two keep the histogram predictions of :func:`ampviz.histogram
     table = TS.compare_scalings(counts, "fp8_e4m3fn")       # flushed / saturated shares per tensor
     table["per-tensor"]["flushed"]                          # (tensors,) with a scale per tensor
 
-:func:`cast_outcomes` is the oracle: a real ``(x * scale).to(float8)`` cast, counted.
+:func:`ampviz.histogram.cast_counts` is the oracle: a real ``(x * scale).to(float8)`` cast, counted.
 """
 
 from __future__ import annotations
@@ -20,21 +20,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from . import histogram as H
+from ._args import check_int
 from .formats import get_format
 
-__all__ = ["amax_log2_scales", "scaled_fate", "compare_scalings", "cast_outcomes", "STRATEGIES"]
+__all__ = ["amax_log2_scales", "scaled_fate", "compare_scalings", "STRATEGIES"]
 
 STRATEGIES = ("none", "shared", "per-tensor")
-
-
-def _counts(counts) -> np.ndarray:
-    c = counts.detach().cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
-    if c.ndim == 0 or c.shape[-1] != H.NBINS:
-        raise ValueError(f"counts: expected an array whose last axis has {H.NBINS} bins, got shape {c.shape}")
-    return c
 
 
 def amax_log2_scales(counts, format, margin: int = 0) -> np.ndarray:
@@ -44,9 +37,8 @@ def amax_log2_scales(counts, format, margin: int = 0) -> np.ndarray:
     for the row's largest value). Rows with nothing but zeros get scale 0.
     """
     fmt = get_format(format)
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        raise ValueError(f"margin: expected an integer >= 0, got {margin!r}")
-    amax = H.max_magnitude(_counts(counts))                   # a power of two (a binade's top edge)
+    check_int("margin", margin, low=0)
+    amax = H.max_magnitude(H.as_counts(counts))                   # a power of two (a binade's top edge)
     if np.any(~np.isfinite(amax)):
         raise ValueError("counts: rows holding inf/nan or values above 2**127 have no finite amax scale")
     top = math.floor(math.log2(fmt.max)) - margin             # 2**top <= max
@@ -57,7 +49,7 @@ def amax_log2_scales(counts, format, margin: int = 0) -> np.ndarray:
 
 def scaled_fate(counts, format, log2_scales) -> H.Fate:
     """:func:`ampviz.histogram.fate` with one power-of-two scale per row (``log2_scales`` broadcast)."""
-    c = _counts(counts)
+    c = H.as_counts(counts)
     return H.fate(H.shift(c, np.broadcast_to(np.asarray(log2_scales), c.shape[:-1])), format, 1.0)
 
 
@@ -77,7 +69,7 @@ def compare_scalings(counts, format, margin: int = 0) -> dict:
     from the largest amax over all tensors, "per-tensor" a scale per tensor and step. Shares pool
     all steps of a tensor.
     """
-    c = _counts(counts)
+    c = H.as_counts(counts)
     if c.ndim == 2:
         c = c[None]
     if c.ndim != 3:
@@ -98,36 +90,3 @@ def compare_scalings(counts, format, margin: int = 0) -> dict:
 def _share(counts: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
     """Pooled over steps (axis 0), as a share of the non-zero values; 0 where there are none."""
     return np.divide(counts.sum(axis=0), nonzero, out=np.zeros_like(nonzero), where=nonzero > 0)
-
-
-def cast_outcomes(x: torch.Tensor, format, scale: float = 1.0) -> dict:
-    """What a real cast ``(x * scale).to(format.dtype)`` does, counted (works for e4m3fn, which saturates).
-
-    Returns counts ``zero`` (already 0), ``flushed`` (non-zero, became 0), ``overflow`` (became inf,
-    or was clamped to ``max`` from beyond the rounding edge, for a saturating format), ``subnormal``
-    and ``normal`` (the rest, by where ``x * scale`` landed), and ``relative_error``: the mean of
-    ``|dequantised - x| / |x|`` over the normal values (the format's precision; subnormals have less).
-    """
-    fmt = get_format(format)
-    if fmt.dtype is None:
-        raise ValueError(f"format: {fmt.name} has no torch dtype to cast to")
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point tensor, got {type(x).__name__}")
-    if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
-    v = x.detach().reshape(-1).double()
-    scaled = v * scale
-    back = (scaled.float().to(fmt.dtype).double()) / scale
-    nonzero = v != 0
-    flushed = nonzero & (back == 0)
-    if fmt.saturates:      # e4m3fn: no inf; torch clamps to max. Beyond the rounding edge is overflow
-        a, edge = scaled.abs(), fmt.overflow_threshold
-        over = nonzero & ((a > edge) | ((a == edge) & (not fmt.overflow_tie_rounds_down)))
-    else:
-        over = nonzero & torch.isinf(back)
-    kept = nonzero & ~flushed & ~over
-    normal = kept & (scaled.abs() >= fmt.min_normal)
-    err = ((back - v).abs() / v.abs())[normal]
-    return {"zero": int((~nonzero).sum()), "flushed": int(flushed.sum()), "overflow": int(over.sum()),
-            "subnormal": int((kept & ~normal).sum()), "normal": int(normal.sum()),
-            "relative_error": float(err.mean()) if err.numel() else 0.0}

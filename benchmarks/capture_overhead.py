@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import ampviz
 from ampviz import histogram as H
-from ampviz.models import CharTransformer
+from ampviz.examples.models import CharTransformer
 
 VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "tensorboard"]
 

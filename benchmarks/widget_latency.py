@@ -25,9 +25,10 @@ import time
 import numpy as np
 
 from ampviz import histogram as H
+from ampviz.lessons.bits import DtypeExplorer
 from ampviz.run import Run
 from ampviz.scaler import TorchPolicy, replay
-from ampviz.widgets import DtypeExplorer, RunDashboard, ScaleExplorer, ScalerPlayground
+from ampviz.widgets import RunDashboard, ScaleExplorer, ScalerPlayground
 
 BUDGET_MS = 50.0
 

@@ -1,8 +1,10 @@
 """Make the two pictures in the README from a real recorded run (CPU, about 15 s).
 
-    python docs/readme_figures.py          # writes docs/histogram.png and docs/scale_trace.png
+    python docs/readme_figures.py                # writes docs/histogram.png and docs/scale_trace.png
+    python docs/readme_figures.py --out DIR      # writes them to DIR instead (tests/test_docs.py does)
 """
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -10,19 +12,23 @@ import numpy as np
 from ampviz.demo import train_demo
 from ampviz.plots import histogram_figure, scale_trace_figure
 
-OUT = Path(__file__).resolve().parent
+DOCS = Path(__file__).resolve().parent
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DOCS, help="directory for the PNGs (default: docs/)")
+    out = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
     run = train_demo(steps=300, seed=0, progress=False)
     acts = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
     first_steps = run.counts_in("unscaled")[0, :20][:, acts]          # (steps, tensors, bins)
     fig = histogram_figure(first_steps, "fp16", log2_scale=0, domain="unscaled",
                            title="Activation gradients of a deep sigmoid MLP, first 20 steps,")
-    fig.write_image(OUT / "histogram.png", width=1000, height=460)
+    fig.write_image(out / "histogram.png", width=1000, height=460)
     fig = scale_trace_figure(run.steps, run.loss_scale[0], run.skipped[0], run.grown[0],
                              title="GradScaler's loss scale in the same fp16 run (CPU)")
-    fig.write_image(OUT / "scale_trace.png", width=1000, height=380)
+    fig.write_image(out / "scale_trace.png", width=1000, height=380)
     print(f"skipped {int(run.skipped.sum())} of {run.n_steps} steps; scale 2^{np.log2(run.loss_scale.min()):.0f}"
           f"..2^{np.log2(run.loss_scale.max()):.0f}")
 

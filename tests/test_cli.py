@@ -17,10 +17,8 @@ from ampviz.cli import main
 from ampviz.demo import DEMO_SETTINGS, train_demo
 from ampviz.report import (
     format_scale,
-    pooled_counts,
     representative_steps,
     summary_rows,
-    tensor_counts_at,
     worst_without_scaling,
 )
 from ampviz.scaler import TorchPolicy, replay
@@ -84,7 +82,7 @@ def test_demo_writes_a_run_whose_skipped_steps_match_its_scale_trace_and_gradien
 def test_demo_function_validates_its_arguments():
     with pytest.raises(ValueError, match="steps: expected an integer >= 1, got 0"):
         train_demo(steps=0)
-    with pytest.raises(ValueError, match="device: expected 'auto', 'cpu' or 'cuda', got 'tpu'"):
+    with pytest.raises(ValueError, match="device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"):
         train_demo(steps=1, device="tpu")
 
 
@@ -129,7 +127,7 @@ def bf16_path(tmp_path_factory):
     import torch
     import torch.nn.functional as F
 
-    from ampviz.models import MLP
+    from ampviz.examples.models import MLP
     torch.manual_seed(0)
     model = MLP(8, 16, 2, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -262,10 +260,14 @@ def test_lean_domain_views_equal_run_counts_in(ranks_dir, domain):
     full = run.counts_in(domain)                                                   # (R, H, T, NBINS)
     activations = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
     for r in range(len(run.ranks)):
-        np.testing.assert_array_equal(pooled_counts(run, domain, r), full[r].sum(axis=1))
-        np.testing.assert_array_equal(pooled_counts(run, domain, r, kind="activation"),
+        np.testing.assert_array_equal(run.pooled_counts(domain, r), full[r].sum(axis=1))
+        np.testing.assert_array_equal(run.pooled_counts(domain, r, kind="activation"),
                                       full[r][:, activations].sum(axis=1))
-        np.testing.assert_array_equal(tensor_counts_at(run, 3, domain, r), full[r, 3])
+        np.testing.assert_array_equal(run.pooled_counts(domain, r, tensors=activations[:2]),
+                                      full[r][:, activations[:2]].sum(axis=1))
+        np.testing.assert_array_equal(run.counts_at(3, domain, r), full[r, 3])
+        for t in range(len(run.tensor_names)):
+            np.testing.assert_array_equal(run.tensor_counts(t, domain, r), full[r, :, t])
     flushed = H.fate(run.counts_in("unscaled"), "fp16", 1.0).fraction("flushed")      # (R, H, T)
     worst, name = worst_without_scaling(run)
     assert worst == flushed.max() and name == run.tensor_names[np.unravel_index(flushed.argmax(), flushed.shape)[2]]

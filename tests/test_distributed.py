@@ -1,4 +1,4 @@
-"""ampviz.distributed: sampler tables against PyTorch's own permutation, ranks launched from Python,
+"""ampviz.examples.distributed: sampler tables against PyTorch's own permutation, ranks launched from Python,
 collectives checked against sums computed here, and a rank that fails on purpose."""
 
 import time
@@ -8,34 +8,10 @@ import pytest
 import torch
 
 import ampviz
-from ampviz.distributed import LaunchError, Workers, init_from_env, is_collective_failure, launch, sampler_table
 from ampviz.examples import ddp_basics
 from ampviz.examples.ddp_amp import Config, train_worker
-
-
-def test_sampler_table_matches_torch_randperm_oracle():
-    n, world, epochs, seed = 10, 2, 3, 7
-    table = sampler_table(n, world, epochs, seed=seed)
-    assert table.shape == (epochs, world, n // world)
-    for epoch in range(epochs):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for rank in range(world):
-            assert table[epoch, rank].tolist() == order[rank::world]
-
-
-def test_sampler_table_set_epoch_and_partition():
-    with_epoch = sampler_table(12, 3, 4, set_epoch=True)
-    without = sampler_table(12, 3, 4, set_epoch=False)
-    for epoch in range(4):                       # each epoch the ranks split the data set exactly
-        assert sorted(with_epoch[epoch].ravel().tolist()) == list(range(12))
-    assert all(np.array_equal(without[0], without[e]) for e in range(4))
-    assert not np.array_equal(with_epoch[0], with_epoch[1])
-    np.testing.assert_array_equal(with_epoch[0], without[0])          # epoch 0 is the same either way
-    padded = sampler_table(5, 2, 1, shuffle=False)                    # 5 items on 2 ranks: one repeats
-    assert padded.tolist() == [[[0, 2, 4], [1, 3, 0]]]
-    assert sampler_table(5, 2, 1, shuffle=False, drop_last=True).tolist() == [[[0, 2], [1, 3]]]
-    with pytest.raises(ValueError, match="world_size: expected an integer >= 1, got 0"):
-        sampler_table(4, 0)
+from ampviz.examples.distributed import LaunchError, Workers, init_from_env, is_collective_failure, launch
+from ampviz.lessons.sampler import sampler_table
 
 
 def test_init_from_env_without_torchrun_is_a_world_of_one(monkeypatch):

@@ -65,7 +65,7 @@ def test_weight_hook_makes_no_host_sync():
         model(torch.randn(8, 1024, device="cuda")).sum().backward()
         with _sync_is_an_error():
             rec._on_optimizer_step(opt, (), {})
-            rec._binner.submit()
+            rec._binning.submit()
         opt.step()
         rec.step()
     assert rec.run.counts[0, 0, 0].sum() == 1024 * 1024

@@ -8,9 +8,9 @@ import torch
 
 from ampviz import formats as F
 from ampviz import histogram as H
-from ampviz.plots import bits_figure, heatmap_figure, histogram_figure, region_edges, scale_trace_figure
-from ampviz.plots._style import log2_ticks, percent
+from ampviz.plots import heatmap_figure, histogram_figure, region_edges, scale_trace_figure
 from ampviz.plots.histogram import binade_positions
+from ampviz.plots.style import log2_ticks, percent
 
 
 def sample_counts(seed=0, n=20000, lo=-40, hi=2):
@@ -122,36 +122,9 @@ def test_histogram_figure_rejects_bad_input(kwargs, match):
         histogram_figure(args.pop("counts"), **args)
 
 
-# ---------------------------------------------------------------------------- bit layout
-@pytest.mark.parametrize("value,fmt", [(0.1, "fp16"), (-3e-8, "fp16"), (1.0, "fp32"), (300.0, "fp8_e4m3fn"),
-                                       (float("inf"), "bf16"), (1e-40, "bf16"), (0.0, "fp8_e5m2")])
-def test_bits_figure_shows_the_decomposition(value, fmt):
-    f = F.get_format(fmt)
-    d = f.decompose(value)
-    fig = bits_figure(value, fmt)
-    heat = fig.data[0]
-    assert "".join(heat.text[0]) == d.bits.replace(" ", "")
-    fields = [0] + [1] * f.exponent_bits + [2] * f.mantissa_bits
-    assert list(heat.z[0]) == [2 * k + int(b) for k, b in zip(fields, d.bits.replace(" ", ""))]
-    result = named(fig.layout.annotations, "result").text
-    assert f"({d.kind})" in result
-    if d.kind in ("normal", "subnormal"):
-        assert f"<b>{d.value!r}</b>" in result
-    label = named(fig.layout.annotations, "label:mantissa").text
-    assert f"({f.mantissa_bits} bits)" in label
-
-
-def test_bits_figure_from_raw_fields_reaches_any_nan_and_checks_ranges():
-    fig = bits_figure(fields=(1, 31, 5), format="fp16")
-    assert "".join(fig.data[0].text[0]) == "1111110000000101"
-    assert "nan" in named(fig.layout.annotations, "result").text
-    with pytest.raises(ValueError, match=r"mantissa: expected an integer in \[0, 1023\]"):
-        bits_figure(fields=(0, 1, 1024), format="fp16")
-
-
 # ---------------------------------------------------------------------------- loss-scale trace
 def test_scale_trace_marks_skips_and_growths_at_their_steps():
-    from ampviz.plots.trace import TRACES
+    from ampviz.plots.scale_trace import TRACES
     from ampviz.scaler import TorchPolicy, replay
     steps = np.arange(10)
     scale = np.exp2([16, 15, 15, 16, 16, 15, 15, 15, 16, 16])
@@ -179,7 +152,7 @@ def test_scale_trace_marks_skips_and_growths_at_their_steps():
 
 
 def test_scale_trace_shows_where_a_deepspeed_replay_stops():
-    from ampviz.plots.trace import TRACES
+    from ampviz.plots.scale_trace import TRACES
     from ampviz.scaler import DeepSpeedPolicy, replay
     r = replay(DeepSpeedPolicy(init_scale=4.0, min_scale=1.0, hysteresis=1), [np.inf] * 8)
     assert r.crashed_at == 2

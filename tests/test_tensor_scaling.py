@@ -23,7 +23,7 @@ def test_amax_scale_is_the_largest_power_of_two_that_does_not_overflow(fmt):
     amax = float(x.abs().max())
     assert amax * 2.0 ** s <= fmt.max                       # safe for the real largest value
     assert H.max_magnitude(H.histogram(x).numpy()) * 2.0 ** (s + 1) > fmt.max   # one more would not be
-    out = TS.cast_outcomes(x, fmt, 2.0 ** s)
+    out = H.cast_counts(x, fmt, 2.0 ** s)
     assert out["overflow"] == 0
     assert TS.amax_log2_scales(np.zeros(H.NBINS, dtype=np.int64), fmt) == 0
 
@@ -33,7 +33,7 @@ def test_amax_scale_is_the_largest_power_of_two_that_does_not_overflow(fmt):
 def test_scaled_fate_predicts_a_real_cast(fmt, log2_scale):
     x = spread_values(seed=log2_scale + 50)
     pred = TS.scaled_fate(H.histogram(x).numpy(), fmt, log2_scale)
-    real = TS.cast_outcomes(x, fmt, 2.0 ** log2_scale)
+    real = H.cast_counts(x, fmt, 2.0 ** log2_scale)
     assert int(pred.flushed) == real["flushed"] and int(pred.zero) == real["zero"]
     # fate's documented binade-edge sets: [overflow_threshold, 2**(emax+1)] counts as normal, and
     # [min_normal - min_subnormal/2, min_normal] as subnormal; every other value is predicted exactly
@@ -46,7 +46,7 @@ def test_scaled_fate_predicts_a_real_cast(fmt, log2_scale):
 
 def test_e4m3fn_saturates_and_is_counted_as_overflow():
     x = torch.tensor([100.0, 460.0, 464.0, 470.0, 1000.0, 1e-4])
-    out = TS.cast_outcomes(x, "fp8_e4m3fn")
+    out = H.cast_counts(x, "fp8_e4m3fn")
     assert float(torch.tensor(1000.0).to(torch.float8_e4m3fn).float()) == 448.0   # torch saturates
     assert out["overflow"] == 2                 # 470 and 1000; 464 is a tie that rounds to 448
     assert out["flushed"] == 1                  # 1e-4 < 2**-10 (half of e4m3fn's smallest subnormal)
@@ -54,8 +54,8 @@ def test_e4m3fn_saturates_and_is_counted_as_overflow():
 
 def test_relative_error_reflects_mantissa_bits():
     x = spread_values(lo=-6, hi=0)
-    e4 = TS.cast_outcomes(x, "fp8_e4m3fn", 2.0 ** int(TS.amax_log2_scales(H.histogram(x).numpy(), "fp8_e4m3fn")))
-    e5 = TS.cast_outcomes(x, "fp8_e5m2", 2.0 ** int(TS.amax_log2_scales(H.histogram(x).numpy(), "fp8_e5m2")))
+    e4 = H.cast_counts(x, "fp8_e4m3fn", 2.0 ** int(TS.amax_log2_scales(H.histogram(x).numpy(), "fp8_e4m3fn")))
+    e5 = H.cast_counts(x, "fp8_e5m2", 2.0 ** int(TS.amax_log2_scales(H.histogram(x).numpy(), "fp8_e5m2")))
     assert e4["relative_error"] < 2.0 ** -4 and e5["relative_error"] < 2.0 ** -3     # half an ulp, relative
     assert e4["relative_error"] < e5["relative_error"]
 
@@ -79,9 +79,9 @@ def test_bad_input_is_rejected_with_the_argument_named():
     with pytest.raises(ValueError, match="margin"):
         TS.amax_log2_scales(np.zeros(H.NBINS), "fp8_e5m2", margin=-1)
     with pytest.raises(ValueError, match="scale"):
-        TS.cast_outcomes(torch.ones(3), "fp8_e5m2", scale=0.0)
+        H.cast_counts(torch.ones(3), "fp8_e5m2", scale=0.0)
     with pytest.raises(ValueError, match="tf32"):
-        TS.cast_outcomes(torch.ones(3), "tf32")
+        H.cast_counts(torch.ones(3), "tf32")
     inf_row = H.histogram(torch.tensor([1.0, math.inf])).numpy()
     with pytest.raises(ValueError, match="inf"):
         TS.amax_log2_scales(inf_row, "fp8_e5m2")

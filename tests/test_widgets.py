@@ -1,19 +1,17 @@
 """Widgets by their state after controls change: figure data, labels, readouts (no browser)."""
 
 import json
-import math
 
 import numpy as np
 import plotly.graph_objects as go
 import pytest
 import torch
 
-from ampviz import formats as F
 from ampviz import histogram as H
-from ampviz.plots._style import percent
 from ampviz.plots.histogram import region_edges
+from ampviz.plots.style import percent
 from ampviz.run import Run
-from ampviz.widgets import DtypeExplorer, RunDashboard, ScaleExplorer, ScalerPlayground
+from ampviz.widgets import RunDashboard, ScaleExplorer, ScalerPlayground
 
 
 def make_run(steps=8, log2_scales=(16, 16, 15, 15, 15, 15, 16, 16), seed=0, rank=0):
@@ -47,81 +45,6 @@ def named(items, name):
     return item
 
 
-# ---------------------------------------------------------------------------- DtypeExplorer
-def test_dtype_explorer_initial_state_matches_decompose():
-    w = DtypeExplorer(0.1, "fp16")
-    d = F.FP16.decompose(0.1)
-    assert w.value == d.value and w.bit_string == d.bits and w.info["kind"] == "normal"
-    assert "".join(b.description for b in w.bit_buttons) == d.bits.replace(" ", "")
-    assert [b.value for b in w.bit_buttons] == [c == "1" for c in d.bits.replace(" ", "")]
-    assert "".join(w.figure.data[0].text[0]) == d.bits.replace(" ", "")
-    assert "rounding error" in w.readout.value           # 0.1 is not representable in fp16
-
-
-def test_clicking_a_bit_gives_the_composed_value():
-    w = DtypeExplorer(1.0, "fp16")
-    w.bit_buttons[-1].value = True                       # lowest mantissa bit: 1 + 2**-10
-    assert w.value == F.FP16.compose(0, 15, 1) == 1 + 2 ** -10
-    assert w.value_box.value == repr(1 + 2 ** -10)
-    assert "".join(w.figure.data[0].text[0])[-1] == "1"
-    w.bit_buttons[0].value = True                        # sign
-    assert w.value == -(1 + 2 ** -10)
-    for b in w.bit_buttons[1:6]:                         # exponent all ones, mantissa non-zero: nan
-        b.value = True
-    assert math.isnan(w.value) and w.info["kind"] == "nan"
-    assert w.fields == (1, 31, 1)                        # the clicked pattern stays, not a canonical nan
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp32"])
-def test_value_box_round_trips_and_readouts_agree_with_format(fmt, rng):
-    f = F.get_format(fmt)
-    w = DtypeExplorer(0.0, fmt)
-    for _ in range(25):
-        sign, e, m = int(rng.integers(2)), int(rng.integers((1 << f.exponent_bits) - 1)), \
-            int(rng.integers(1 << f.mantissa_bits))
-        v = f.compose(sign, e, m)
-        if math.isnan(v):
-            continue
-        w.value_box.value = repr(v)
-        assert w.value == v and w.fields == (sign, e, m)
-        assert w.info["next_up"] == f.next_up(v) and w.info["next_down"] == f.next_down(v)
-        assert w.info["ulp"] == f.ulp(v)
-        for key in ("next_up", "next_down", "ulp"):
-            assert repr(w.info[key]) in w.readout.value
-        assert "rounding error" not in w.readout.value   # representable: stored exactly
-
-
-def test_value_box_accepts_powers_of_two_and_reports_bad_text():
-    w = DtypeExplorer(1.0, "fp16")
-    w.value_box.value = "2**-24"
-    assert w.value == F.FP16.min_subnormal and w.info["kind"] == "subnormal"
-    w.value_box.value = "1e-8"                           # flushes to zero in fp16
-    assert w.value == 0.0 and "rounding error 1e-08" in w.readout.value
-    before = w.fields
-    w.value_box.value = "abc"
-    assert w.fields == before and "is not a number" in w.readout.value
-    with pytest.raises(ValueError, match="is not a number"):
-        w.set_value("abc")
-
-
-def test_changing_format_rerounds_the_input_and_rebuilds_the_bits():
-    w = DtypeExplorer(70000.0, "fp16")
-    assert math.isinf(w.value)
-    w.format_dropdown.value = "bf16"
-    assert w.value == F.BF16.round(70000.0) and len(w.bit_buttons) == 16
-    assert w.bit_string == F.BF16.decompose(70000.0).bits
-    w.format_dropdown.value = "fp8_e4m3fn"
-    assert w.value == 448.0 and len(w.bit_buttons) == 8 and len(w.figure.data[0].z[0]) == 8
-
-
-def test_dtype_explorer_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="unknown format 'fp7'"):
-        DtypeExplorer(1.0, "fp7")
-    with pytest.raises(ValueError, match="value: 'x' is not a number"):
-        DtypeExplorer("x", "fp16")
-
-
-# ---------------------------------------------------------------------------- ScaleExplorer
 def test_scale_explorer_bars_are_the_runs_unscaled_counts():
     run = make_run()
     w = ScaleExplorer(run)
@@ -209,7 +132,7 @@ def overflow_trace(n=300, seed=0):
 
 
 def test_playground_replays_the_policy_the_controls_describe():
-    from ampviz.plots.trace import TRACES
+    from ampviz.plots.scale_trace import TRACES
     from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
     trace = overflow_trace()
     w = ScalerPlayground(trace)
@@ -244,7 +167,7 @@ def test_playground_reports_where_deepspeed_stops():
 
 
 def test_playground_over_a_run_draws_the_recorded_trace():
-    from ampviz.plots.trace import TRACES
+    from ampviz.plots.scale_trace import TRACES
     run = make_run()
     w = ScalerPlayground(run)
     np.testing.assert_array_equal(w.figure.data[TRACES["recorded"]].y, np.log2(run.loss_scale[0]))
@@ -253,7 +176,7 @@ def test_playground_over_a_run_draws_the_recorded_trace():
 
 
 def test_playground_starts_from_the_runs_gradscaler_and_reproduces_it():
-    from test_trace import record_fp16_run
+    from test_gradient_trace import record_fp16_run
     run = record_fp16_run(steps=40)
     w = ScalerPlayground(run)
     sc = run.meta["scaler"]
@@ -315,7 +238,7 @@ def test_dashboard_selectors_change_what_is_shown():
 
 
 def test_dashboard_rank_selector_redraws_that_ranks_trace():
-    from ampviz.plots.trace import TRACES
+    from ampviz.plots.scale_trace import TRACES
     run = Run.merge([make_run(rank=0), make_run(rank=1, seed=1, log2_scales=(12,) * 8)])
     d = RunDashboard(run)
     d.rank_dropdown.value = 1

@@ -6,7 +6,7 @@ Run it with torchrun (gloo on the CPU; NCCL when every rank has a GPU)::
     ampviz info runs/ddp
     ampviz report runs/ddp -o runs/ddp/report.html
 
-A small transformer classifies the 8x8 digits read as 8 tokens (``ampviz.data.digit_rows``). Each
+A small transformer classifies the 8x8 digits read as 8 tokens (``ampviz.examples.data.digit_rows``). Each
 rank trains on its ``DistributedSampler`` share, accumulates ``--accum`` micro-batches with
 ``no_sync()`` on all but the last, steps through a ``GradScaler`` and records its own run
 (``rank{r}.npz``, with local pre-all-reduce weight gradients). Rank 0 evaluates on a dev split,
@@ -15,7 +15,7 @@ keeps the best checkpoint and prints a classification report on the test split.
 Every collective is bounded by ``--timeout``: if a rank dies or hangs, the others stop with a clear
 error instead of waiting forever, and every rank's recording so far is still saved.
 ``--fail-rank R --fail-step S [--fail-mode raise|hang]`` makes rank R fail on purpose to show it.
-From Python (a notebook), ``ampviz.distributed.launch(train_worker, 2, args=(Config(...),))``.
+From Python (a notebook), ``ampviz.examples.distributed.launch(train_worker, 2, args=(Config(...),))``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from .. import Recorder
-from ..data import digit_rows
-from ..distributed import PeerFailure, init_from_env, is_collective_failure
-from ..models import TransformerClassifier
+from .._args import check_int
+from .data import digit_rows
+from .distributed import PeerFailure, init_from_env, is_collective_failure
+from .models import TransformerClassifier
 from .trainer import Trainer, load_checkpoint
 
 __all__ = ["Config", "train_worker", "main"]
@@ -73,9 +74,7 @@ class Config:
         if self.fail_mode not in ("raise", "hang"):
             raise ValueError(f"fail_mode: expected 'raise' or 'hang', got {self.fail_mode!r}")
         for name in ("steps", "accum", "batch", "d_model", "eval_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), low=1)
 
 
 def splits(seed: int = 0, dev_fraction: float = 0.15):
@@ -89,13 +88,13 @@ def splits(seed: int = 0, dev_fraction: float = 0.15):
 
 
 def train_worker(config: Config) -> dict:
-    """Train and record one rank (call it under torchrun, or via ``ampviz.distributed.launch``).
+    """Train and record one rank (call it under torchrun, or via ``ampviz.examples.distributed.launch``).
 
     Returns a summary: rank, world size, device, per-step loss history, dev metrics and the test
     report (rank 0), the test accuracy (rank 0), and a checksum of the final parameters.
 
     A collective that fails or times out (while joining, in DDP's constructor, or in training)
-    raises :class:`ampviz.distributed.PeerFailure` with a message naming the rank and the timeout.
+    raises :class:`ampviz.examples.distributed.PeerFailure` with a message naming the rank and the timeout.
     """
     rank = int(os.environ.get("RANK", "0"))
     try:

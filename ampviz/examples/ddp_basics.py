@@ -1,9 +1,9 @@
 """Process-group basics, one small function per idea (lessons 09 and 10 run them on 2 ranks).
 
-Each function joins the process group with :func:`ampviz.distributed.init_from_env` (torchrun's
-environment) and returns plain data, so a notebook can run it with ``ampviz.distributed.launch``::
+Each function joins the process group with :func:`ampviz.examples.distributed.init_from_env` (torchrun's
+environment) and returns plain data, so a notebook can run it with ``ampviz.examples.distributed.launch``::
 
-    from ampviz.distributed import launch
+    from ampviz.examples.distributed import launch
     launch(hello, nprocs=2)                       # [{'rank': 0, 'world_size': 2, ...}, {'rank': 1, ...}]
 
 or a terminal with torchrun, which runs :func:`main` (hello + an all-reduce on every rank)::
@@ -25,9 +25,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from ..data import digits
-from ..distributed import init_from_env
-from ..models import MLP
+from .data import digits
+from .distributed import init_from_env
+from .models import MLP
 
 __all__ = ["hello", "sampler_shares", "reductions", "rank0_evaluation", "restore_and_broadcast",
            "accumulation_all_reduces", "small_model", "main"]

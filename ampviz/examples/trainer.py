@@ -23,6 +23,8 @@ Usage (inside a process group, e.g. under torchrun; see ``ampviz.examples.ddp_am
 from __future__ import annotations
 
 import contextlib
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,7 +32,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["Trainer", "load_checkpoint"]
+from .._args import check_int
+from ..record import Recorder
+from ..run import Run
+from .data import Split
+
+__all__ = ["Trainer", "load_checkpoint", "TrainResult", "train_classifier", "accuracy"]
 
 
 class Trainer:
@@ -45,17 +52,17 @@ class Trainer:
     accum : micro-batches per optimizer step.
     recorder : an ``ampviz.Recorder`` (already entered) to call ``step(loss)`` on, or None.
     progress : show a progress bar (on rank 0 only).
+    loss_fn : ``loss_fn(model(x), y)``, the mean loss of a micro-batch (default cross-entropy).
     """
 
     def __init__(self, model, optimizer, scaler, *, device, amp_dtype=torch.float16, accum: int = 1,
-                 recorder=None, progress: bool = True):
-        if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
-            raise ValueError(f"accum: expected an integer >= 1, got {accum!r}")
+                 recorder=None, progress: bool = True, loss_fn=F.cross_entropy):
+        check_int("accum", accum, low=1)
         if amp_dtype not in (torch.float16, torch.bfloat16, None):
             raise ValueError(f"amp_dtype: expected torch.float16, torch.bfloat16 or None, got {amp_dtype!r}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.device, self.amp_dtype, self.accum = torch.device(device), amp_dtype, accum
-        self.recorder, self.progress = recorder, progress
+        self.recorder, self.progress, self.loss_fn = recorder, progress, loss_fn
         self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         self.module = model.module if self.is_ddp else model
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -75,7 +82,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not self.is_ddp else self.model.no_sync()
             with sync:
                 with self.autocast():                       # forward and loss only
-                    loss = F.cross_entropy(self.model(x.to(self.device)), y.to(self.device)) / len(micro_batches)
+                    loss = self.loss_fn(self.model(x.to(self.device)), y.to(self.device)) / len(micro_batches)
                 self.scaler.scale(loss).backward()          # outside autocast
             total += loss.detach()
         self.scaler.step(self.optimizer)                    # skipped if any (all-reduced) gradient is inf/nan
@@ -170,3 +177,94 @@ class Trainer:
 def load_checkpoint(module, path, device) -> None:
     """Load a ``state_dict`` saved by :meth:`Trainer.train` into ``module`` (no pickled code runs)."""
     module.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train_classifier` returns."""
+
+    run: Run | None               # the recorded run (None with ``record=False``)
+    losses: np.ndarray            # (steps,) training loss of each step's batch
+    weights_changed: np.ndarray   # (steps,) bool: the optimizer step changed some parameter
+    test_accuracy: float          # accuracy on the test split after training (nan for regression)
+    seconds: float                # wall time of the loop
+    model: torch.nn.Module
+
+    @property
+    def skipped(self) -> np.ndarray:
+        """(steps,) bool: the scaler skipped the step (the scale went down), from the run."""
+        if self.run is None:
+            raise ValueError("skipped: this result was trained with record=False")
+        return self.run.skipped[0]
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Classification accuracy in fp32 (a host sync)."""
+    return float((model(x).argmax(-1) == y).float().mean())
+
+
+def train_classifier(model: torch.nn.Module, data: Split, *, steps: int, batch_size: int = 256,
+                     lr: float = 1e-2, amp_dtype: torch.dtype | None = None,
+                     scaler: torch.amp.GradScaler | None = None, seed: int = 1, record: bool = True,
+                     every: int = 1, activations=True, loss_fn=F.cross_entropy,
+                     progress: bool = False) -> TrainResult:
+    """Train ``model`` with Adam on random batches of ``data``, optionally under autocast and a scaler.
+
+    Parameters
+    ----------
+    model : the model, already on its device (the data is moved there).
+    data : an :class:`ampviz.examples.data.Split`.
+    steps, batch_size, lr : optimizer steps, batch size, Adam learning rate.
+    amp_dtype : None (fp32), ``torch.float16`` or ``torch.bfloat16`` for the autocast region.
+    scaler : a ``torch.amp.GradScaler``; None means ``GradScaler(enabled=False)``, i.e. no scaling
+        (its ``scale``/``step``/``update`` then pass through).
+    seed : seeds the batch order (the model's own seed is set where it is built).
+    record : record the run with :class:`ampviz.Recorder` (``every``, ``activations`` passed on).
+    loss_fn : ``loss_fn(model(x), y)``; mean cross-entropy by default (give your own, e.g. an MSE,
+        for a regression Split, whose ``n_classes`` is 0: its test accuracy is then nan).
+    progress : show a tqdm bar.
+
+    Returns
+    -------
+    TrainResult
+    """
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("every", every)):
+        check_int(name, value, low=1)
+    if amp_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"amp_dtype: expected None, torch.float16 or torch.bfloat16, got {amp_dtype!r}")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+    device = next(model.parameters()).device
+    data = data.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
+    batches = torch.Generator().manual_seed(seed)
+    recorder = Recorder(model, optimizer, scaler=scaler, every=every, activations=activations,
+                        enabled=record)
+    trainer = Trainer(model, optimizer, scaler, device=device, amp_dtype=amp_dtype, progress=False, loss_fn=loss_fn)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    losses = torch.zeros(steps, dtype=torch.float32, device=device)
+    changed = torch.zeros(steps, dtype=torch.bool, device=device)
+    start = time.perf_counter()
+    with recorder:
+        for step in tqdm(range(steps), disable=not progress, desc="training", unit="step"):
+            idx = torch.randint(0, len(data.x_train), (batch_size,), generator=batches).to(device)
+            loss = trainer.train_step([(data.x_train[idx], data.y_train[idx])])    # one micro-batch per step
+            recorder.step(loss)
+            losses[step] = loss
+            changed[step] = _changed_and_copy(params, before)
+    seconds = time.perf_counter() - start
+    test_accuracy = accuracy(model, data.x_test, data.y_test) if data.n_classes else float("nan")
+    return TrainResult(recorder.run if record else None, losses.cpu().numpy(), changed.cpu().numpy(),
+                       test_accuracy, seconds, model)
+
+
+def _changed_and_copy(params, before) -> torch.Tensor:
+    """True when any parameter differs from its copy in ``before``; then refresh the copies."""
+    diff = torch.zeros((), dtype=torch.bool, device=params[0].device)
+    for p, b in zip(params, before):
+        diff |= (p.detach() != b).any()       # stays on the device: no host sync per step
+        b.copy_(p.detach())
+    return diff

@@ -17,8 +17,8 @@ import plotly.graph_objects as go
 
 from .. import histogram as H
 from ..formats import get_format
-from ._style import REGION_COLORS, apply_layout, base_layout, log2_ticks, title_text
 from .histogram import binade_positions, check_domain, region_edges
+from .style import REGION_COLORS, apply_layout, base_layout, log2_ticks, title_text
 
 __all__ = ["heatmap_figure", "heatmap_matrix", "heatmap_rows", "set_heatmap", "set_limit_lines", "set_cursor",
            "LIMIT_LINES"]
@@ -115,9 +115,7 @@ def _subtitle(format, domain: str, window: int = 1) -> str:
 
 
 def _check(counts, steps, log2_scale):
-    c = np.asarray(counts)
-    if c.ndim != 2 or c.shape[1] != H.NBINS:
-        raise ValueError(f"counts: expected shape (steps, {H.NBINS}) (sum tensors first), got {c.shape}")
+    c = H.as_counts(counts, axes=("steps",))    # sum the tensors first
     steps = np.asarray(steps)
     if steps.shape != (c.shape[0],):
         raise ValueError(f"steps: expected {c.shape[0]} step numbers (one per counts row), got shape {steps.shape}")

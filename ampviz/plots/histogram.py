@@ -24,7 +24,7 @@ from plotly.subplots import make_subplots
 
 from .. import histogram as H
 from ..formats import get_format
-from ._style import (
+from .style import (
     DATA_COLOR,
     REGION_COLORS,
     REGION_LABELS,
@@ -82,13 +82,7 @@ def check_domain(domain: str) -> str:
 
 def summed_counts(counts, name: str = "counts") -> np.ndarray:
     """(NBINS,) int64 counts, summing any leading axes (tensors, steps) of ``counts``."""
-    c = counts.detach().cpu().numpy() if hasattr(counts, "detach") else np.asarray(counts)
-    if c.ndim == 0 or c.shape[-1] != H.NBINS:
-        raise ValueError(f"{name}: expected an array whose last axis has {H.NBINS} bins "
-                         f"(see ampviz.histogram), got shape {c.shape}")
-    if c.dtype.kind not in "iuf" or (c.dtype.kind == "f" and not np.all(np.isfinite(c))):
-        raise ValueError(f"{name}: expected finite numeric counts, got dtype {c.dtype}")
-    return c.reshape(-1, H.NBINS).sum(axis=0)
+    return H.as_counts(counts, name).reshape(-1, H.NBINS).sum(axis=0)
 
 
 def region_edges(format, log2_scale=0) -> dict:
@@ -236,7 +230,7 @@ def set_regions(fig, format, log2_scale, xref: str = "x2", updates: dict | None 
 
     Regions are clipped to the x axis range so that no shape stretches to infinity. With
     ``updates`` (a dict), the layout changes are added to it instead of applied (see
-    :func:`~ampviz.plots._style.apply_layout`: one relayout for many changes is much faster).
+    :func:`~ampviz.plots.style.apply_layout`: one relayout for many changes is much faster).
     """
     d = {} if updates is None else updates
     lo, hi = d.get(f"{xref.replace('x', 'xaxis')}.range") or fig.layout[xref.replace("x", "xaxis")].range

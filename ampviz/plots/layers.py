@@ -18,9 +18,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import histogram as H
+from .._args import check_int
 from ..formats import get_format
-from ._style import DATA_COLOR, REGION_COLORS, REGION_OPACITY, REGIONS, base_layout, log2_ticks, percent
 from .histogram import binade_positions, check_domain, check_log2_scale, histogram_x_range, region_edges
+from .style import DATA_COLOR, REGION_COLORS, REGION_OPACITY, REGIONS, base_layout, log2_ticks, percent
 
 __all__ = ["layer_histograms_figure"]
 
@@ -43,14 +44,11 @@ def layer_histograms_figure(counts, names, format="fp16", log2_scale=0, *, domai
     -------
     plotly Figure with one bar trace per tensor (named by the tensor) and four region shapes per panel.
     """
-    c = np.asarray(counts)
-    if c.ndim != 2 or c.shape[1] != H.NBINS:
-        raise ValueError(f"counts: expected shape (tensors, {H.NBINS}), got {c.shape}")
+    c = H.as_counts(counts, axes=("tensors",))
     names = [str(n) for n in names]
     if len(names) != c.shape[0]:
         raise ValueError(f"names: expected {c.shape[0]} names (one per counts row), got {len(names)}")
-    if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
-        raise ValueError(f"cols: expected an integer >= 1, got {cols!r}")
+    check_int("cols", cols, low=1)
     fmt, s, domain = get_format(format), check_log2_scale(log2_scale), check_domain(domain)
     fate = H.fate(c, fmt, log2_scale=s)
     rows = math.ceil(c.shape[0] / cols)

@@ -19,8 +19,7 @@ from plotly.subplots import make_subplots
 from .. import histogram as H
 from ..formats import get_format
 from ..run import Run
-from ._runview import RunView
-from ._style import REGION_COLORS, base_layout, log2_ticks
+from .style import REGION_COLORS, base_layout, log2_ticks
 
 __all__ = ["rank_comparison_figure", "RANK_STYLES"]
 
@@ -51,8 +50,7 @@ def rank_comparison_figure(run: Run, format="fp16", *, tensors=None, kind=None,
     if not isinstance(run, Run):
         raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
     fmt = get_format(format)
-    view = RunView(run)
-    idx = view.tensors_of(tensors, kind)
+    idx = run.tensor_indices(tensors, kind)
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07)
     for i, rank in enumerate(run.ranks):
         color, dash = RANK_STYLES[i % len(RANK_STYLES)]
@@ -63,7 +61,7 @@ def rank_comparison_figure(run: Run, format="fp16", *, tensors=None, kind=None,
         fig.add_trace(go.Scatter(x=run.steps[sk], y=np.log2(run.loss_scale[i][sk]), mode="markers",
                                  name=f"rank {rank} skipped", legendgroup=str(rank), showlegend=False,
                                  marker=dict(symbol="x", size=8, color=REGION_COLORS["overflow"])), 1, 1)
-        counts = view.selection_counts(i, idx, "unscaled")             # (H, NBINS)
+        counts = run.pooled_counts("unscaled", i, idx)                 # (H, NBINS)
         total = counts.sum(axis=1)
         zeros = np.divide(counts[:, H.ZERO], total, out=np.zeros(total.shape), where=total > 0)
         fig.add_trace(go.Scatter(x=run.hist_steps, y=100 * zeros, name=f"rank {rank}", mode="lines", line=line,

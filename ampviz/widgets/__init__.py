@@ -1,18 +1,20 @@
-"""ipywidgets explorers built on ampviz.plots; each displays with one line in a notebook cell.
+"""ipywidgets explorers of a recorded run, built on ampviz.plots; each displays with one line in a notebook cell.
 
-    from ampviz.widgets import DtypeExplorer, ScaleExplorer
-    DtypeExplorer(0.1, "fp16")
+    from ampviz.widgets import RunDashboard, ScaleExplorer, ScalerPlayground
+    run = ampviz.Run.load("runs/demo/run.npz")
+    ScaleExplorer(run)
+
+Needs the ``viz`` extra (``pip install "ampviz[viz]"``; plotly's ``FigureWidget`` needs anywidget).
+The lessons' own widgets live beside their computation in :mod:`ampviz.lessons`.
 """
 
-from .clipping import ClipOrderExplorer
-from .dashboard import RunDashboard
-from .dtype import DtypeExplorer
-from .memory import MemoryExplorer
-from .optrace import OpTraceExplorer
-from .playground import ScalerPlayground
-from .sampler import SamplerExplorer
-from .scale import ScaleExplorer
-from .update import UpdateExplorer
+from .._extras import require
 
-__all__ = ["DtypeExplorer", "ScaleExplorer", "ScalerPlayground", "RunDashboard", "OpTraceExplorer", "MemoryExplorer",
-           "UpdateExplorer", "ClipOrderExplorer", "SamplerExplorer"]
+require("ipywidgets", "ampviz.widgets")
+require("anywidget", "ampviz.widgets")
+
+from .dashboard import RunDashboard  # noqa: E402
+from .playground import ScalerPlayground  # noqa: E402
+from .scale import ScaleExplorer  # noqa: E402
+
+__all__ = ["ScaleExplorer", "ScalerPlayground", "RunDashboard"]

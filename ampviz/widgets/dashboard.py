@@ -25,8 +25,6 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import get_format
-from ..plots._runview import RunView
-from ..plots._style import REGIONS, apply_layout, retitle
 from ..plots.heatmap import heatmap_figure, heatmap_matrix, heatmap_rows, set_cursor, set_heatmap
 from ..plots.histogram import (
     check_domain,
@@ -38,8 +36,10 @@ from ..plots.histogram import (
     set_title,
     set_x_range,
 )
-from ..plots.trace import scale_trace_figure, set_recorded
-from ._common import figure_widget, pow2_label, table_html
+from ..plots.scale_trace import scale_trace_figure, set_recorded
+from ..plots.style import REGIONS, apply_layout, retitle
+from ..run import Run
+from .parts import figure_widget, pow2_label, table_html
 
 __all__ = ["RunDashboard", "ALL_TENSORS"]
 
@@ -65,7 +65,10 @@ class RunDashboard(W.VBox):
 
     def __init__(self, run, format="fp16", *, domain: str = "unscaled", step=None, tensor=None, kind=None,
                  rank=None):
-        self.view = RunView(run)
+        if not isinstance(run, Run):
+            raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
+        if run.hist_steps.size == 0:
+            raise ValueError("run: has no histogram steps (recorded with no steps, or every > steps)")
         self.run, self.format = run, get_format(format)
         self._cache: dict = {}
         self._build_controls(check_domain(domain), step, tensor, kind, rank)
@@ -112,7 +115,7 @@ class RunDashboard(W.VBox):
         """Indices of the tensors shown (the kind and tensor selectors combined)."""
         kind = None if self.kind_buttons.value == "all" else self.kind_buttons.value
         tensor = None if self.tensor_dropdown.value == ALL_TENSORS else self.tensor_dropdown.value
-        return self.view.tensors_of(tensor, kind)
+        return self.run.tensor_indices(tensor, kind)
 
     def _data(self) -> dict:
         """Counts (H, NBINS), per-step log2 shifts of the limits, heatmap rows/matrix and x range."""
@@ -120,8 +123,8 @@ class RunDashboard(W.VBox):
         domain, sel = self.domain_buttons.value, tuple(self.selection)
         key = (r, domain, sel)
         if key not in self._cache:
-            counts = self.view.selection_counts(r, sel, domain)
-            log2s = self.view.log2_scales[r] if domain == "unscaled" else np.zeros(counts.shape[0], np.int64)
+            counts = self.run.pooled_counts(domain, r, sel)
+            log2s = self.run.log2_scales()[r] if domain == "unscaled" else np.zeros(counts.shape[0], np.int64)
             rows = heatmap_rows(counts)
             self._cache[key] = {"counts": counts, "log2s": log2s, "rows": rows,
                                 "matrix": heatmap_matrix(counts, rows),

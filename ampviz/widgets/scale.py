@@ -25,8 +25,6 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import FORMATS, get_format
-from ..plots._runview import as_counts_source
-from ..plots._style import REGION_LABELS, REGIONS, apply_layout, percent
 from ..plots.histogram import (
     check_domain,
     check_log2_scale,
@@ -37,9 +35,11 @@ from ..plots.histogram import (
     set_title,
     set_x_range,
 )
-from ._common import figure_widget, pow2_label, table_html
+from ..plots.style import REGION_LABELS, REGIONS, apply_layout, percent
+from ..run import Run
+from .parts import figure_widget, pow2_label, table_html
 
-__all__ = ["ScaleExplorer"]
+__all__ = ["ScaleExplorer", "as_counts_source"]
 
 
 class ScaleExplorer(W.VBox):
@@ -163,3 +163,38 @@ def _initial_scale(run, step, log2_scale, lo: int, hi: int) -> int:
     if not lo <= s <= hi:
         raise ValueError(f"log2_scale: {s} is outside log2_range ({lo}, {hi})")
     return s
+
+
+def as_counts_source(source, *, step=None, tensor=None, kind=None, rank=None):
+    """Resolve a ScaleExplorer source into (counts (NBINS,), description, run or None).
+
+    ``source`` is a Run (narrowed by step / tensor / kind / rank; all histogram steps pooled when
+    ``step`` is None), an integer counts array (..., NBINS), or a floating-point tensor/array of
+    raw values (histogrammed here).
+    """
+    import torch
+    if isinstance(source, Run):
+        if source.hist_steps.size == 0:
+            raise ValueError("source: the run has no histogram steps (recorded with no steps, or every > steps)")
+        r = source.rank_index(source.ranks[0] if rank is None else rank)
+        idx = source.tensor_indices(tensor, kind)
+        counts = source.pooled_counts("unscaled", r, idx)
+        if len(idx) == 1:
+            who = f"{source.tensor_names[idx[0]]}"
+        else:
+            who = f"{len(idx)} {kind + ' ' if kind else ''}tensors"
+        if step is None:
+            return counts.sum(axis=0), f"{who}, all {source.hist_steps.size} recorded steps", source
+        return counts[source.hist_index(step)], f"{who}, step {step}", source
+    for name, value in (("step", step), ("tensor", tensor), ("kind", kind), ("rank", rank)):
+        if value is not None:
+            raise ValueError(f"{name}: only applies when the source is an ampviz.Run, got {name}={value!r}")
+    if isinstance(source, torch.Tensor) and source.is_floating_point():
+        return H.histogram(source.detach()).cpu().numpy(), f"a tensor of {source.numel():,} values", None
+    arr = np.asarray(source) if not isinstance(source, torch.Tensor) else source.cpu().numpy()
+    if arr.dtype.kind == "f":
+        return H.histogram(torch.from_numpy(np.ascontiguousarray(arr))).numpy(), f"{arr.size:,} values", None
+    if arr.dtype.kind in "iu" and arr.ndim >= 1 and arr.shape[-1] == H.NBINS:
+        return arr.reshape(-1, H.NBINS).sum(axis=0), "recorded counts", None
+    raise TypeError(f"source: expected an ampviz.Run, integer counts (..., {H.NBINS}) or a floating-point "
+                    f"tensor of values; got {type(source).__name__} with dtype {arr.dtype} and shape {arr.shape}")

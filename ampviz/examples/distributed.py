@@ -1,0 +1,261 @@
+"""Small helpers for torch.distributed: start a process group from torchrun's environment, and launch
+ranks from a notebook (lessons 09 and 10 run the examples this way).
+
+The engine is PyTorch's own DDP; nothing here imitates it. ``launch`` does what ``torchrun`` does
+for one machine (it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... and starts the processes)
+so a lesson can run ranks without a terminal, and it collects each rank's return value::
+
+    from ampviz.examples.distributed import Workers, launch
+    from ampviz.examples import ddp_basics
+    launch(ddp_basics.hello, nprocs=2)          # [{'rank': 0, ...}, {'rank': 1, ...}]
+
+    workers = Workers(2)                        # start two ranks once (imports cost seconds) ...
+    workers.run(ddp_basics.hello)               # ... then run several functions on them
+    workers.close()
+
+The function must be importable (defined in a module, not in a notebook): the ``spawn`` start
+method pickles it by name and the child imports it (from a script, call ``launch`` under
+``if __name__ == "__main__":``, since the children import the script too). Its return value travels back through
+``torch.save`` / ``torch.load(weights_only=True)``, so return tensors, numbers, strings, lists
+and dicts. Inside the function, ``init_from_env()`` joins the process group exactly as it would
+under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from .._args import check_int
+
+__all__ = ["LaunchError", "PeerFailure", "is_collective_failure", "Dist", "Workers", "free_port", "init_from_env",
+           "launch"]
+
+
+class LaunchError(RuntimeError):
+    """Ranks failed or timed out: ``.outcomes`` maps each rank to "ok" or one line saying what
+    happened; ``.tracebacks`` holds the full traceback of each rank that raised."""
+
+    def __init__(self, message: str, outcomes: dict, tracebacks: dict | None = None):
+        super().__init__(message)
+        self.outcomes, self.tracebacks = outcomes, tracebacks or {}
+
+
+class PeerFailure(RuntimeError):
+    """This rank stopped because a collective failed: another rank died, hung or was unreachable."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from a failed or timed-out collective (gloo / NCCL / the store)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(k in text for k in (
+        "gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out"))
+
+
+@dataclass
+class Dist:
+    """Where this process stands: its rank, the world size, its device and the backend in use."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(timeout: float = 60.0, backend: str | None = None) -> Dist:
+    """Join the process group described by torchrun's environment variables.
+
+    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (set by ``torchrun`` and by :func:`launch`).
+    The backend is NCCL with ``cuda:LOCAL_RANK`` when there is a GPU for every local rank, gloo on
+    the CPU otherwise. ``timeout`` (seconds) bounds every collective: a rank whose peer died or hung
+    raises an error after it instead of waiting forever. Without ``WORLD_SIZE`` (a plain
+    ``python`` run) nothing is initialised and a world of one is returned.
+    """
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return Dist(0, 1, 0, device, None)
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+class Workers:
+    """``nprocs`` ranks on this machine, started once and kept for several calls (like torchrun's
+    workers, but driven from Python). Each :meth:`run` executes ``fn(*args)`` on every rank.
+
+    Parameters
+    ----------
+    nprocs : number of ranks.
+    timeout : default seconds a :meth:`run` may take before the ranks are terminated.
+    threads : CPU threads per rank (default: the CPU count divided among the ranks).
+    grace : once a rank has failed, seconds the others get to stop by themselves (their collectives
+        fail or time out) before they are terminated.
+
+    ``fn`` must be a module-level function (picklable by name). If a rank raises, the others are
+    given ``grace`` seconds to stop by themselves, then terminated, and
+    :class:`LaunchError` names every rank's fate; the workers are closed after a failure.
+    """
+
+    def __init__(self, nprocs: int = 2, timeout: float = 120.0, threads: int | None = None, grace: float = 30.0):
+        check_int("nprocs", nprocs, low=1)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self.nprocs, self.timeout, self.grace = nprocs, float(timeout), float(grace)
+        threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs),
+               "LOCAL_WORLD_SIZE": str(nprocs)}
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(nprocs)]           # one duplex pipe per rank: no shared locks
+        self._conns = [parent for parent, _ in pipes]
+        self._procs = [ctx.Process(target=_serve, args=(r, env, threads, child), daemon=True)
+                       for r, (_, child) in enumerate(pipes)]
+        for p in self._procs:
+            p.start()
+        for _, child in pipes:
+            child.close()                                     # the children hold their ends now
+        self.closed = False
+
+    def run(self, fn, *args, timeout: float | None = None) -> list:
+        """Run ``fn(*args)`` on every rank; return the return values ordered by rank."""
+        if self.closed:
+            raise RuntimeError("Workers are closed (a rank failed, or close() was called); start new ones")
+        _check_importable(fn)
+        for conn in self._conns:
+            conn.send((fn, args))
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        outcomes, values, tracebacks = {}, {}, {}
+        while len(outcomes) < self.nprocs and time.monotonic() < deadline:
+            waiting = {self._conns[r]: r for r in range(self.nprocs) if r not in outcomes}
+            for conn in multiprocessing.connection.wait(list(waiting), timeout=deadline - time.monotonic()):
+                rank = waiting[conn]
+                try:
+                    ok, payload = conn.recv()
+                except (EOFError, OSError):               # the process died without answering
+                    self._procs[rank].join(1)
+                    ok, payload = False, (f"died (exit status {self._procs[rank].exitcode})", "")
+                outcomes[rank] = "ok" if ok else payload[0]
+                if ok:
+                    values[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+                else:
+                    tracebacks[rank] = payload[1]
+                    deadline = min(deadline, time.monotonic() + self.grace)   # the others get a grace period
+        if len(values) == self.nprocs:
+            return [values[r] for r in range(self.nprocs)]
+        for r in range(self.nprocs):
+            outcomes.setdefault(r, "still running at the deadline (terminated)")
+        self.close()
+        lines = "\n".join(f"  rank {r}: {outcomes[r]}" for r in range(self.nprocs))
+        failed = sum(o != "ok" for o in outcomes.values())
+        raise LaunchError(f"{failed} of {self.nprocs} ranks failed running {fn.__qualname__}:\n{lines}", outcomes,
+                          tracebacks)
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force)."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn, p in zip(self._conns, self._procs):
+            if p.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self._conns:
+            conn.close()
+
+    def __repr__(self) -> str:
+        alive = sum(p.is_alive() for p in self._procs)
+        return f"Workers({self.nprocs} ranks, {'closed' if self.closed else 'running'}, {alive} processes alive)"
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+def launch(fn, nprocs: int = 2, args: tuple = (), timeout: float = 120.0, threads: int | None = None,
+           grace: float = 30.0) -> list:
+    """Run ``fn(*args)`` in ``nprocs`` fresh processes on this machine, like ``torchrun``; return
+    each rank's return value, ordered by rank. See :class:`Workers` for the parameters and errors."""
+    _check_importable(fn)
+    with Workers(nprocs, timeout, threads, grace) as workers:
+        return workers.run(fn, *args)
+
+
+def _check_importable(fn) -> None:
+    if not callable(fn) or "<locals>" in getattr(fn, "__qualname__", "<locals>") \
+            or getattr(fn, "__module__", "__main__") == "__main__":
+        raise ValueError(f"fn: expected a function defined at the top level of an importable module "
+                         f"(spawned processes import it by name), got {fn!r}")
+
+
+def _serve(rank, env, threads, conn):
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    # tqdm would create a multiprocessing lock (a named semaphore) that os._exit below never releases
+    tqdm.set_lock(threading.RLock())
+    try:
+        while (task := conn.recv()) is not None:
+            fn, args = task
+            try:
+                buffer = io.BytesIO()
+                torch.save(fn(*args), buffer)
+                conn.send((True, buffer.getvalue()))
+            except BaseException as e:                # report, then stop: the group may be broken
+                first = f"{type(e).__name__}: {' '.join(str(e).split())}"
+                conn.send((False, (f"raised {first}", traceback.format_exc())))
+                break
+    except (EOFError, KeyboardInterrupt):             # the parent went away, or Ctrl-C reached us too
+        pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+    os._exit(0)                                       # skip the interpreter's slow teardown of torch

@@ -1,0 +1,160 @@
+"""What DDP's gradient all-reduce actually sends: dtypes and bytes per bucket, counted live.
+
+DDP groups gradients into buckets and all-reduces each bucket's flat buffer, in the gradients'
+dtype. Under autocast the parameters and therefore their gradients are fp32, so the bytes on the
+wire do not halve unless a communication hook compresses the buckets (for example
+``fp16_compress_hook``). This module runs real DDP backward passes and counts what is handed to
+``torch.distributed.all_reduce``::
+
+    >>> import torch
+    >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    >>> from ampviz.lessons.comm import ddp_allreduce_bytes
+    >>> from ampviz.examples.models import MLP
+    >>> model, x, y = MLP(64, 128, 2, 10), torch.randn(32, 64), torch.randint(0, 10, (32,))
+    >>> loss_fn = torch.nn.functional.cross_entropy
+    >>> plain = ddp_allreduce_bytes(model, x, y, loss_fn, autocast_dtype=torch.bfloat16)
+    >>> packed = ddp_allreduce_bytes(model, x, y, loss_fn, autocast_dtype=torch.bfloat16,
+    ...                              hook=fp16_compress_hook)
+    >>> plain.sent_dtypes, packed.sent_dtypes, packed.sent_bytes * 2 == plain.sent_bytes
+    (['float32'], ['float16'], True)
+
+When no process group exists, a one-process group (gloo on CPU, nccl on CUDA) is created on a
+temporary file store and destroyed afterwards; inside an existing group (e.g. under torchrun)
+that group is used and left alone.
+
+Used by lessons 02 (why mixed precision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AllReduceLog", "counting_hook", "ddp_allreduce_bytes", "one_process_group"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class AllReduceLog:
+    """Per bucket: what DDP handed the hook, and what the hook handed ``all_reduce``."""
+
+    bucket_dtypes: list = field(default_factory=list)   # dtype name of each bucket buffer
+    bucket_bytes: list = field(default_factory=list)
+    sent_dtypes: list = field(default_factory=list)     # dtype name of each all-reduced tensor
+    sent_bytes: list = field(default_factory=list)
+
+
+def counting_hook(hook, log: AllReduceLog):
+    """Wrap a DDP communication hook so that every tensor it all-reduces is logged in ``log``.
+
+    While the wrapped hook runs, ``torch.distributed.all_reduce`` is replaced by a recorder that
+    logs the tensor's dtype and bytes and then calls the real function; it is restored as soon
+    as the hook returns. Torch's default hooks look ``all_reduce`` up on the module at call
+    time, so this sees exactly what they send.
+    """
+    if not callable(hook):
+        raise TypeError(f"hook: expected a DDP communication hook (state, bucket) -> Future, got {hook!r}")
+
+    def wrapped(state, bucket):
+        buffer = bucket.buffer()
+        log.bucket_dtypes.append(_dtype_name(buffer.dtype))
+        log.bucket_bytes.append(buffer.numel() * buffer.element_size())
+        real = dist.all_reduce
+
+        def recording_all_reduce(tensor, *args, **kwargs):
+            log.sent_dtypes.append(_dtype_name(tensor.dtype))
+            log.sent_bytes.append(tensor.numel() * tensor.element_size())
+            return real(tensor, *args, **kwargs)
+
+        dist.all_reduce = recording_all_reduce
+        try:
+            return hook(state, bucket)
+        finally:
+            dist.all_reduce = real
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def one_process_group(device_type: str = "cpu"):
+    """A world_size=1 process group on a temporary FileStore, destroyed on exit.
+
+    Yields False and does nothing when a default group already exists (it is reused).
+    """
+    if dist.is_initialized():
+        yield False
+        return
+    backend = "nccl" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        try:
+            yield True
+        finally:
+            dist.destroy_process_group()
+
+
+@dataclass
+class DDPBytes:
+    """One DDP backward pass: gradient dtypes, and what the all-reduce carried (bytes summed over buckets)."""
+
+    grad_dtypes: list
+    bucket_dtypes: list
+    sent_dtypes: list
+    bucket_bytes: int
+    sent_bytes: int
+    n_buckets: int
+
+
+def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,
+                        hook=None, autocast_dtype: torch.dtype | None = None,
+                        bucket_cap_mb: int | None = None) -> DDPBytes:
+    """Run DDP forward/backward passes on a copy of ``model`` and count the all-reduced bytes.
+
+    Two passes run and the second is reported: DDP puts every gradient in one bucket on the first
+    backward and rebuilds the buckets (``bucket_cap_mb``) in gradient order for the next ones.
+
+    Parameters
+    ----------
+    model : the module (deep-copied, moved to ``inputs.device``; the caller's model is untouched).
+    inputs, targets, loss_fn : one batch and ``loss_fn(outputs, targets) -> scalar``.
+    hook : a DDP communication hook; None means ``allreduce_hook``, the Python spelling of
+        DDP's default (all-reduce each bucket as it is, then average).
+    autocast_dtype : None for fp32, or the dtype for ``torch.amp.autocast`` around the forward.
+    bucket_cap_mb : DDP's bucket size limit in MiB (None: its default, 25 MiB after a 1 MiB first bucket).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if autocast_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"autocast_dtype: expected None, torch.float16 or torch.bfloat16, got {autocast_dtype!r}")
+    device = inputs.device
+    log = AllReduceLog()
+    with one_process_group(device.type):
+        local = copy.deepcopy(model).to(device)
+        ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None,
+                                      bucket_cap_mb=bucket_cap_mb)
+        ddp.register_comm_hook(None, counting_hook(hook or allreduce_hook, log))
+        for _ in range(2):   # DDP uses one bucket on the first backward, then rebuilds them by size
+            for entries in (log.bucket_dtypes, log.bucket_bytes, log.sent_dtypes, log.sent_bytes):
+                entries.clear()
+            local.zero_grad(set_to_none=True)
+            with torch.amp.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
+                                    enabled=autocast_dtype is not None):
+                loss = loss_fn(ddp(inputs), targets)
+            loss.backward()
+        grad_dtypes = sorted({_dtype_name(p.grad.dtype) for p in local.parameters() if p.grad is not None})
+        del ddp   # release DDP's reducer before the group goes away
+    return DDPBytes(grad_dtypes, sorted(set(log.bucket_dtypes)), sorted(set(log.sent_dtypes)),
+                    sum(log.bucket_bytes), sum(log.sent_bytes), len(log.bucket_bytes))

@@ -1,0 +1,92 @@
+"""DDP all-reduce byte counts against the parameters' own sizes, in a real one-process gloo group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
+
+from ampviz.examples.models import MLP
+from ampviz.lessons.comm import AllReduceLog, counting_hook, ddp_allreduce_bytes, one_process_group
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    model = MLP(16, 64, 2, 10)
+    x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    return model, x, y, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
+def test_default_allreduce_sends_the_fp32_gradients_even_under_autocast(setup, autocast_dtype):
+    model, x, y, n = setup
+    r = ddp_allreduce_bytes(model, x, y, F.cross_entropy, autocast_dtype=autocast_dtype)
+    assert r.grad_dtypes == r.bucket_dtypes == r.sent_dtypes == ["float32"]
+    assert r.sent_bytes == r.bucket_bytes == 4 * n
+    assert not dist.is_initialized()            # the temporary group is gone
+
+
+@pytest.mark.parametrize("hook, name", [(fp16_compress_hook, "float16"), (bf16_compress_hook, "bfloat16")])
+def test_compression_hooks_halve_the_bytes(setup, hook, name):
+    model, x, y, n = setup
+    r = ddp_allreduce_bytes(model, x, y, F.cross_entropy, autocast_dtype=torch.bfloat16, hook=hook)
+    assert r.grad_dtypes == r.bucket_dtypes == ["float32"] and r.sent_dtypes == [name]
+    assert r.bucket_bytes == 4 * n and r.sent_bytes == 2 * n
+
+
+def test_a_bf16_model_sends_bf16_gradients(setup):
+    model, x, y, n = setup
+    r = ddp_allreduce_bytes(model.to(torch.bfloat16), x.to(torch.bfloat16), y, F.cross_entropy)
+    assert r.grad_dtypes == r.sent_dtypes == ["bfloat16"] and r.sent_bytes == 2 * n
+
+
+def test_several_buckets_add_up(setup):
+    _, x, y, _ = setup
+    model = MLP(16, 512, 3, 10)      # 2 MB of gradients: more than DDP's 1 MB first bucket
+    n = sum(p.numel() for p in model.parameters())
+    r = ddp_allreduce_bytes(model, x, y, F.cross_entropy, bucket_cap_mb=1)
+    assert r.n_buckets > 1 and r.sent_bytes == 4 * n
+
+
+def test_counting_hook_restores_all_reduce_even_when_the_hook_fails():
+    real = dist.all_reduce
+
+    class Bucket:
+        def buffer(self):
+            return torch.zeros(3)
+
+    def broken(state, bucket):
+        dist.all_reduce(torch.ones(5, dtype=torch.float16))
+
+    log = AllReduceLog()
+    with one_process_group() as created:
+        assert created
+        counting_hook(broken, log)(None, Bucket())
+        assert dist.all_reduce is real
+
+        def raising(state, bucket):
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            counting_hook(raising, log)(None, Bucket())
+        assert dist.all_reduce is real
+    assert log.bucket_bytes == [12, 12] and log.sent_dtypes == ["float16"] and log.sent_bytes == [10]
+    with pytest.raises(TypeError, match="hook"):
+        counting_hook("allreduce", log)
+
+
+def test_an_existing_group_is_reused_and_left_alone():
+    with one_process_group() as outer:
+        with one_process_group() as inner:
+            assert outer and not inner
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+
+
+def test_bad_arguments_are_named(setup):
+    model, x, y, _ = setup
+    with pytest.raises(TypeError, match="model"):
+        ddp_allreduce_bytes(None, x, y, F.cross_entropy)
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        ddp_allreduce_bytes(model, x, y, F.cross_entropy, autocast_dtype=torch.float32)

@@ -1,0 +1,42 @@
+"""Throughput measurements: the arithmetic of the reported rates, dtypes really used, clear errors."""
+
+import pytest
+import torch
+
+from ampviz.lessons.throughput import cpu_features, linear_throughput, matmul_throughput
+
+
+def test_matmul_rates_are_flops_over_the_median_time():
+    rows = matmul_throughput("cpu", dtypes=(torch.float32, torch.bfloat16), n=64, min_run_time=0.02, rounds=2)
+    assert [r.dtype for r in rows] == ["float32", "bfloat16"]
+    for r in rows:
+        assert r.shape == "64x64" and r.flops == 2 * 64 ** 3
+        assert r.median_s == r.measurement.median > 0
+        assert r.gflops == pytest.approx(r.flops / r.median_s / 1e9)
+
+
+def test_linear_runs_under_autocast_in_the_requested_dtype():
+    rows = linear_throughput("cpu", autocast_dtypes=(None, torch.bfloat16), batch=8, features=16,
+                             min_run_time=0.02, rounds=1)
+    assert [r.dtype for r in rows] == ["float32", "autocast bfloat16"]
+    assert all(r.flops == 2 * 8 * 16 * 16 and r.gflops > 0 for r in rows)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="mps"), "device"), (dict(device="cpu", dtypes=(torch.float64,)), "dtypes"),
+    (dict(device="cpu", n=0), "n"), (dict(device="cpu", min_run_time=0), "min_run_time"),
+    (dict(device="cpu", rounds=0), "rounds")])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        matmul_throughput(**kwargs)
+
+
+def test_cpu_features_agree_with_proc_cpuinfo():
+    feats = cpu_features()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert feats == {}
+        return
+    flags = next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split()
+    assert feats and all(feats[k] == (k in flags) for k in feats)

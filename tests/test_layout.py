@@ -1,0 +1,119 @@
+"""The house's rules: the practitioner core never reaches into the classroom, stays light to import, and
+private names stay inside their package."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ampviz"
+HEAVY = ("plotly", "ipywidgets", "anywidget", "jupyterlab", "jupyter_server", "notebook", "sklearn", "IPython",
+         "pandas", "tqdm")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path):
+    """(line, absolute module, imported names) of every import in a file, lazy ones included."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            yield node.lineno, mod, [a.name for a in node.names]
+
+
+def core_files():
+    return [p for p in PACKAGE.rglob("*.py") if "lessons" not in p.relative_to(PACKAGE).parts]
+
+
+def loaded_modules(code: str) -> list:
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_no_core_file_imports_the_classroom():
+    offenders = []
+    for path in core_files():
+        for line, mod, names in imports_of(path):
+            targets = [mod] + [f"{mod}.{n}" for n in names]
+            if any(t == "ampviz.lessons" or t.startswith("ampviz.lessons.") for t in targets):
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not offenders, "the core must not import ampviz.lessons:\n" + "\n".join(offenders)
+
+
+def test_the_classroom_is_one_package_of_topic_modules_that_name_their_lessons():
+    lesson_numbers = {p.name[:2] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")}
+    for path in sorted((PACKAGE / "lessons").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        named = {w.strip(",.()") for w in doc.split("Used by lessons", 1)[-1].split()[:12]}
+        assert "Used by lessons" in doc and named & lesson_numbers, f"{path.name}: docstring must name its lessons"
+
+
+@pytest.mark.parametrize("code", ["import ampviz", "import ampviz.plots", "import ampviz.widgets",
+                                  "import ampviz.report, ampviz.cli, ampviz.demo, ampviz.gradient_trace",
+                                  "import ampviz.examples.ddp_amp, ampviz.examples.ddp_basics"])
+def test_importing_the_core_loads_nothing_of_the_classroom(code):
+    loaded = loaded_modules(code)
+    assert not [m for m in loaded if m.startswith("ampviz.lessons")], loaded
+
+
+def test_import_ampviz_stays_light():
+    baseline = set(loaded_modules("import torch, numpy"))      # torch itself imports tqdm when it is there
+    loaded = set(loaded_modules("import ampviz")) - baseline
+    heavy = [m for m in loaded if m.split(".")[0] in HEAVY]
+    assert not heavy, f"import ampviz loads {sorted({m.split('.')[0] for m in heavy})}: the core is torch + numpy"
+
+
+def test_private_names_stay_inside_their_package():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        me = module_name(path)
+        my_package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+        for line, mod, names in imports_of(path):
+            if not mod or not mod.startswith("ampviz"):
+                continue
+            parts = mod.split(".")
+            for i, part in enumerate(parts):
+                if part.startswith("_") and not part.startswith("__"):
+                    owner = ".".join(parts[:i])              # the package the private module belongs to
+                    if not (my_package == owner or my_package.startswith(owner + ".")):
+                        offenders.append(f"{path.relative_to(ROOT)}:{line} imports private module {mod}")
+            owner = mod.rsplit(".", 1)[0]                     # the package of the module the names come from
+            for n in names:
+                inside = mod == my_package or my_package == owner or my_package.startswith(owner + ".")
+                if n.startswith("_") and not n.startswith("__") and not inside:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports private name {n} from {mod}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_readme_layout_lists_every_folder_and_core_module():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if path.name.startswith("_") or rel.parts[0] == "lessons":
+            continue
+        assert path.stem in layout, f"README Layout does not mention {rel}"
+    for folder in ("lessons/", "plots/", "widgets/", "examples/", "integrations/", "tests/", "benchmarks/", "docs/"):
+        if (PACKAGE / folder).exists() or (ROOT / folder).exists():
+            assert folder in layout, f"README Layout does not mention {folder}"
