@@ -1,7 +1,8 @@
 """The run file format: one compressed ``.npz`` per rank, JSON metadata, no pickle.
 
 Entries: ``meta`` (a 0-d unicode array holding JSON: magic "ampviz-run", schema version, rank,
-tensor names/kinds/dtypes, recorder settings) and the arrays in ``ARRAYS``. Writes are atomic
+tensor names/kinds/dtypes, recorder settings), the arrays in ``ARRAYS`` and, when recorded, those in
+``OPTIONAL_ARRAYS``. Writes are atomic
 (``ampviz._files.atomic_write``: a temp file in the same directory, then a rename), so a process that dies mid-write
 leaves the previous file intact. Reads use ``allow_pickle=False`` and turn every failure into
 a :class:`RunFileError` naming the file and the problem.
@@ -21,6 +22,7 @@ from ._files import atomic_write
 SCHEMA_VERSION = 1
 MAGIC = "ampviz-run"
 ARRAYS = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts")
+OPTIONAL_ARRAYS = ("grad_order", "scheduler_steps")    # written when recorded; files without them still load
 
 
 class RunFileError(ValueError):
@@ -65,7 +67,7 @@ def read(path: Path) -> tuple[dict, dict]:
             missing = [a for a in ARRAYS if a not in z.files]
             if missing:
                 raise RunFileError(f"{path}: corrupt ampviz run: missing arrays {missing}")
-            a = {name: z[name] for name in ARRAYS}
+            a = {name: z[name] for name in ARRAYS + OPTIONAL_ARRAYS if name in z.files}
     except RunFileError:
         raise
     except FileNotFoundError:

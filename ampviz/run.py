@@ -10,7 +10,13 @@ A :class:`Run` holds, for each rank ``r``::
     hist_steps   (H,)               steps that have histograms (every ``every``-th step)
     counts       (R, H, T, NBINS)   gradient-magnitude histograms, see ``ampviz.histogram``
 
-plus tensor names / kinds / dtypes and JSON metadata. Weight gradients are stored unscaled
+and, when the recorder had them (None otherwise)::
+
+    grad_order       (R, H, T) int32   order in which each tensor's gradient was counted in that step's
+                                       backward pass (0 first, i.e. closest to the loss; -1 not counted)
+    scheduler_steps  (R, N) int64      the LR scheduler's ``last_epoch`` after each optimizer step
+
+plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
 multiplied by the loss scale. :meth:`Run.counts_in` gives either view of both::
 
@@ -33,11 +39,17 @@ from ._args import check_choice
 from ._runfile import SCHEMA_VERSION, RunFileError
 from ._warnings import AmpvizWarning
 
-__all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS", "VIEWS"]
+__all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS", "VIEWS", "KINDS"]
+
+# what a counts row holds: a parameter's gradient (after all-reduce, unscaled), the gradient w.r.t. a
+# module's output (scaled), a parameter's local gradient before DDP's all-reduce (scaled), a module's
+# forward output (unscaled: the loss scale does not reach the forward pass)
+KINDS = ("weight", "activation", "weight_local", "output")
 
 DOMAINS = ("unscaled", "scaled")      # as the optimizer sees a gradient, or multiplied by the loss scale
 VIEWS = DOMAINS + ("recorded",)       # what counts_in() accepts: a domain, or the counts as stored
 _PER_RANK = ("loss", "loss_scale", "next_scale", "skipped", "counts")
+_OPTIONAL = ("grad_order", "scheduler_steps")          # per rank too; None when not recorded
 
 
 @dataclass
@@ -55,6 +67,8 @@ class Run:
     tensor_kinds: list
     tensor_dtypes: list
     meta: dict = field(default_factory=dict)
+    grad_order: np.ndarray | None = None
+    scheduler_steps: np.ndarray | None = None
 
     _log2_scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -214,10 +228,13 @@ class Run:
         meta = dict(self.meta)
         if rank is not None:
             meta["ranks"] = [rank]
+        order = None if self.grad_order is None else self.grad_order[r][:, :, t]
+        sched = None if self.scheduler_steps is None else self.scheduler_steps[r]
         return replace(self, loss=self.loss[r], loss_scale=self.loss_scale[r], next_scale=self.next_scale[r],
                        skipped=self.skipped[r], counts=self.counts[r][:, :, t],
                        tensor_names=[self.tensor_names[i] for i in t], tensor_kinds=[self.tensor_kinds[i] for i in t],
-                       tensor_dtypes=[self.tensor_dtypes[i] for i in t], meta=meta)
+                       tensor_dtypes=[self.tensor_dtypes[i] for i in t], meta=meta, grad_order=order,
+                       scheduler_steps=sched)
 
     # ------------------------------------------------------------------ summaries
     def summary(self, format="fp16") -> dict:
@@ -310,11 +327,14 @@ class Run:
         if len(runs) < world:
             warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=2)
         def cat(name, k):
+            if any(getattr(r, name) is None for r in runs):
+                return None                                   # an optional array some rank lacks
             return np.concatenate([getattr(r, name)[:, :k] for r in runs])
         meta = dict(first.meta, ranks=ranks)
         return cls(first.steps[:n], cat("loss", n), cat("loss_scale", n), cat("next_scale", n),
                    cat("skipped", n), first.hist_steps[:h], cat("counts", h), first.tensor_names,
-                   first.tensor_kinds, first.tensor_dtypes, meta)
+                   first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", h),
+                   scheduler_steps=cat("scheduler_steps", n))
 
     def _rank_payload(self, i: int):
         """(arrays, meta) of rank index ``i``, as one run file stores them."""
@@ -324,6 +344,9 @@ class Run:
         arrays = {name: getattr(self, name) for name in _runfile.ARRAYS}
         for name in _PER_RANK:
             arrays[name] = arrays[name][i]
+        for name in _OPTIONAL:
+            if getattr(self, name) is not None:
+                arrays[name] = getattr(self, name)[i]
         return arrays, meta
 
     @classmethod
@@ -332,8 +355,9 @@ class Run:
         names, kinds, dtypes = (meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes"))
         meta["ranks"] = [meta.pop("rank", 0)]
         try:
+            optional = {n: a[n][None] if n in a else None for n in _OPTIONAL}
             return cls(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(names), tensor_kinds=list(kinds),
-                       tensor_dtypes=list(dtypes), meta=meta, **{n: a[n][None] for n in _PER_RANK})
+                       tensor_dtypes=list(dtypes), meta=meta, **{n: a[n][None] for n in _PER_RANK}, **optional)
         except RunFileError as e:
             raise RunFileError(f"{path}: {e}") from None
 
@@ -355,5 +379,9 @@ class Run:
                 problems.append(f"counts has shape {np.shape(self.counts)}, expected {exp}")
             if not (len(self.tensor_kinds) == len(self.tensor_dtypes) == T):
                 problems.append("tensor_names, tensor_kinds and tensor_dtypes differ in length")
+            if self.grad_order is not None and np.shape(self.grad_order) != exp[:3]:
+                problems.append(f"grad_order has shape {np.shape(self.grad_order)}, expected {exp[:3]}")
+            if self.scheduler_steps is not None and np.shape(self.scheduler_steps) != (R, N):
+                problems.append(f"scheduler_steps has shape {np.shape(self.scheduler_steps)}, expected {(R, N)}")
         if problems:
             raise RunFileError(f"{where}: corrupt run: " + "; ".join(problems))

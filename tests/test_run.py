@@ -4,6 +4,7 @@ import json
 import os
 import stat
 import zipfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -165,3 +166,26 @@ def test_summary_names_a_worst_tensor_only_when_something_is_lost():
     assert (s["worst_overflow_fraction"], s["worst_overflow_tensor"]) == (0.0, None)
     s16 = make_run().summary("fp16")
     assert s16["worst_flushed_fraction"] > 0 and s16["worst_flushed_tensor"] in ("w", "act")
+
+
+def test_optional_arrays_round_trip_select_and_merge(tmp_path):
+    R, N, T = 1, 4, 3
+
+    def one(rank):
+        order = np.tile(np.array([2, 0, -1], dtype=np.int32), (R, N, 1))
+        return Run(np.arange(N), np.zeros((R, N)), np.ones((R, N)), np.ones((R, N)), np.zeros((R, N), bool),
+                   np.arange(N), np.zeros((R, N, T, H.NBINS), np.int64), ["a", "b", "c"],
+                   ["weight", "activation", "output"], ["", "", ""], {"ranks": [rank], "world_size": 2},
+                   grad_order=order, scheduler_steps=np.arange(N)[None] + rank)
+    for rank in (0, 1):
+        one(rank).save(tmp_path / f"rank{rank}.npz")
+    run = Run.load(tmp_path)
+    assert run.grad_order.shape == (2, N, T) and run.grad_order[1, 0].tolist() == [2, 0, -1]
+    assert run.scheduler_steps.tolist() == [[0, 1, 2, 3], [1, 2, 3, 4]]
+    picked = run.select(rank=1, tensors=["c", "a"])
+    assert picked.grad_order.tolist() == [[[-1, 2]] * N] and picked.scheduler_steps.tolist() == [[1, 2, 3, 4]]
+    plain = replace(one(0), grad_order=None, scheduler_steps=None)
+    plain.save(tmp_path / "plain.npz")
+    assert Run.load(tmp_path / "plain.npz").grad_order is None
+    with pytest.raises(RunFileError, match="grad_order has shape"):
+        replace(one(0), grad_order=np.zeros((1, N), np.int32))
