@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import time
 from pathlib import Path
 
@@ -106,6 +107,8 @@ def _worst(fraction: float, tensor) -> str:
 def _scaler_text(scaler) -> str:
     if not scaler:
         return "no GradScaler"
+    if not all(k in scaler for k in ("init_scale", "growth_factor", "growth_interval", "backoff_factor")):
+        return "a loss scaler (settings not recorded)"
     return (f"GradScaler(init {format_scale(scaler['init_scale'])}, x{scaler['growth_factor']:g} after "
             f"{scaler['growth_interval']} clean steps, x{scaler['backoff_factor']:g} on inf/nan)")
 
@@ -245,7 +248,9 @@ def _note(text: str) -> str:
 
 def _histogram_parts(run: Run, fmt, anchor: str) -> list[str]:
     """Histograms at representative steps (all tensors), per tensor at the worst step, heatmaps (rank 0)."""
-    from .plots import heatmap_figure, histogram_figure, layer_histograms_figure
+    from .plots import heatmap_figure, histogram_figure
+    if not run.tensor_names:
+        return ["<h3>Gradient magnitudes</h3>" + _note("No tensors were recorded in this run: no histograms.")]
     pooled = run.pooled_counts("unscaled")                                      # (H, NBINS)
     log2s = run.log2_scales()[0]                                               # (H,)
     steps = representative_steps(run, fmt)
@@ -255,15 +260,43 @@ def _histogram_parts(run: Run, fmt, anchor: str) -> list[str]:
     for step, why in steps:
         h = run.hist_index(step)
         fig = histogram_figure(pooled[h], fmt, _shown_scale(why, log2s[h]), title=f"Step {step} ({why})")
-        parts.append(_figure_html(fig, f"{anchor}-hist-{step}"))
+        parts.append(_figure_html(fig, f"{anchor}-hist-{int(step)}"))
     step, why = next(((s, w) for s, w in steps if w.startswith("worst")), steps[-1])
     h = run.hist_index(step)
-    fig = layer_histograms_figure(run.counts_at(h), run.tensor_names, fmt, _shown_scale(why, log2s[h]),
-                                  title=f"Gradient magnitudes per tensor, step {step}")
-    parts += [f"<h3>Per tensor at step {step} ({why})</h3>", _figure_html(fig, f"{anchor}-tensors"),
-              "<h3>Over the run</h3>"]
+    parts += [f"<h3>Per tensor at step {step} ({html.escape(why)})</h3>"]
+    parts += _tensor_parts(run, fmt, anchor, h, _shown_scale(why, log2s[h]))
+    parts.append("<h3>Over the run</h3>")
     for kind in dict.fromkeys(run.tensor_kinds):
         fig = heatmap_figure(run.pooled_counts("unscaled", kind=kind), run.hist_steps, fmt, log2s,
-                             title=f"{kind.capitalize()} gradients per step (unscaled)")
-        parts.append(_figure_html(fig, f"{anchor}-heatmap-{kind}"))
+                             title=f"{html.escape(kind.capitalize())} gradients per step (unscaled)")
+        parts.append(_figure_html(fig, f"{anchor}-heatmap-{_safe_id(kind)}"))
     return parts
+
+
+SMALL_MULTIPLES = 24        # per-tensor panels drawn at most; a run with more tensors also gets the tensor map
+
+
+def _tensor_parts(run: Run, fmt, anchor: str, row: int, log2_scale: int) -> list[str]:
+    """Small multiples of every tensor; with more than SMALL_MULTIPLES, a map of all and multiples of the worst."""
+    from .plots import layer_histograms_figure, tensor_map_figure
+    counts, names = run.counts_at(row), run.tensor_names                       # (T, NBINS)
+    step = int(run.hist_steps[row])
+    parts, picked = [], list(range(len(names)))
+    if len(names) > SMALL_MULTIPLES:
+        fig = tensor_map_figure(counts, names, fmt, log2_scale, kinds=run.tensor_kinds,
+                                title=f"Every tensor at step {step}")
+        fate = H.fate(counts, fmt, log2_scale=log2_scale)
+        lost = fate.fraction("flushed") + fate.fraction("overflow")            # (T,)
+        picked = sorted(np.argsort(-lost, kind="stable")[:SMALL_MULTIPLES].tolist())
+        what = (f"the {SMALL_MULTIPLES} that lose the largest share to {fmt.name} (flushed or overflowed)"
+                if lost.max() > 0 else f"none loses a value to {fmt.name}; the first {SMALL_MULTIPLES}")
+        parts += [_note(f"{len(names)} tensors: one row each in the map (hover for names), then {what}, in "
+                        "recording order."), _figure_html(fig, f"{anchor}-tensor-map")]
+    fig = layer_histograms_figure(counts[picked], [names[i] for i in picked], fmt, log2_scale,
+                                  title=f"Gradient magnitudes per tensor, step {step}")
+    return parts + [_figure_html(fig, f"{anchor}-tensors")]
+
+
+def _safe_id(text: str) -> str:
+    """An HTML id fragment from untrusted text: letters, digits, '-' and '_' only."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", str(text))[:40]

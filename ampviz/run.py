@@ -33,20 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _run_checks as checks
 from . import _runfile
 from . import histogram as H
 from ._args import check_choice
+from ._run_checks import DOMAINS, KINDS
 from ._runfile import SCHEMA_VERSION, RunFileError
 from ._warnings import AmpvizWarning
 
 __all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS", "VIEWS", "KINDS"]
 
-# what a counts row holds: a parameter's gradient (after all-reduce, unscaled), the gradient w.r.t. a
-# module's output (scaled), a parameter's local gradient before DDP's all-reduce (scaled), a module's
-# forward output (unscaled: the loss scale does not reach the forward pass)
-KINDS = ("weight", "activation", "weight_local", "output")
-
-DOMAINS = ("unscaled", "scaled")      # as the optimizer sees a gradient, or multiplied by the loss scale
 VIEWS = DOMAINS + ("recorded",)       # what counts_in() accepts: a domain, or the counts as stored
 _PER_RANK = ("loss", "loss_scale", "next_scale", "skipped", "counts")
 _OPTIONAL = ("grad_order", "scheduler_steps")          # per rank too; None when not recorded
@@ -290,7 +286,7 @@ class Run:
         path.mkdir(parents=True, exist_ok=True)
         out = []
         for i, r in enumerate(self.ranks):
-            out.append(path / f"rank{r}.npz")
+            out.append(path / f"rank{int(r)}.npz")         # ranks are validated integers: the file stays in path
             _runfile.write(out[-1], *self._rank_payload(i))
         return out
 
@@ -302,39 +298,75 @@ class Run:
             files = sorted(path.glob("*.npz"))
             if not files:
                 raise RunFileError(f"{path}: directory holds no .npz run files")
-            return cls.merge([cls._from_file(f) for f in files])
-        if not path.exists():
+            runs = [cls._from_file(f) for f in files]
+            try:
+                return cls.merge(runs)
+            except RunFileError as e:
+                raise RunFileError(f"{path}: {e}") from None
+        if not path.exists() and not path.is_symlink():
             raise RunFileError(f"{path}: no such file or directory")
         return cls._from_file(path)
 
     @classmethod
     def merge(cls, runs: list) -> Run:
-        """Merge single-rank runs (same tensors) into one run with a rank axis, ordered by rank."""
+        """Merge single-rank runs (same tensors) into one run with a rank axis, ordered by rank.
+
+        Ranks are aligned on the steps they all recorded: a rank that stopped early, started later or
+        recorded histograms with another ``every`` keeps only the steps the others have too (with a
+        warning saying which); ranks that share no step are refused.
+        """
         runs = sorted(runs, key=lambda r: r.ranks[0])
         first = runs[0]
         ranks = [r.ranks[0] for r in runs]
         if len(set(ranks)) != len(ranks):
             raise RunFileError(f"merge: duplicate ranks {ranks}")
         for r in runs[1:]:
-            if r.tensor_names != first.tensor_names:
-                raise RunFileError(f"merge: rank {r.ranks[0]} recorded other tensors than rank {ranks[0]}")
-        n = min(r.n_steps for r in runs)
-        h = min(r.hist_steps.size for r in runs)
-        if any(r.n_steps != n or r.hist_steps.size != h for r in runs):
-            warnings.warn(f"ranks recorded different numbers of steps; keeping the first {n} "
-                          f"(a rank may have stopped early)", AmpvizWarning, stacklevel=2)
+            for name in ("tensor_names", "tensor_kinds"):
+                if getattr(r, name) != getattr(first, name):
+                    raise RunFileError(f"merge: rank {r.ranks[0]} recorded other {name} than rank {ranks[0]}")
+            if r.meta.get("domains", {}) != first.meta.get("domains", {}):
+                raise RunFileError(f"merge: rank {r.ranks[0]} stored its counts in other domains than rank "
+                                   f"{ranks[0]}: {r.meta.get('domains')} vs {first.meta.get('domains')}")
+        steps, hist_steps = cls._aligned_steps(runs)
         world = first.meta.get("world_size", len(runs))
         if len(runs) < world:
             warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=2)
-        def cat(name, k):
+
+        def cat(name, attr):
             if any(getattr(r, name) is None for r in runs):
                 return None                                   # an optional array some rank lacks
-            return np.concatenate([getattr(r, name)[:, :k] for r in runs])
+            wanted = steps if attr == "steps" else hist_steps
+            return np.concatenate([getattr(r, name)[:, np.searchsorted(getattr(r, attr), wanted)] for r in runs])
         meta = dict(first.meta, ranks=ranks)
-        return cls(first.steps[:n], cat("loss", n), cat("loss_scale", n), cat("next_scale", n),
-                   cat("skipped", n), first.hist_steps[:h], cat("counts", h), first.tensor_names,
-                   first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", h),
-                   scheduler_steps=cat("scheduler_steps", n))
+        everies = [r.meta.get("every") for r in runs]
+        if all(checks.is_int(e) for e in everies):
+            meta["every"] = max(everies)
+        return cls(steps, cat("loss", "steps"), cat("loss_scale", "steps"), cat("next_scale", "steps"),
+                   cat("skipped", "steps"), hist_steps, cat("counts", "hist_steps"), first.tensor_names,
+                   first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", "hist_steps"),
+                   scheduler_steps=cat("scheduler_steps", "steps"))
+
+    @staticmethod
+    def _aligned_steps(runs) -> tuple:
+        """(steps, hist_steps) every rank recorded; warns when a rank loses some, refuses when none are shared."""
+        out = []
+        for attr, what in (("steps", "steps"), ("hist_steps", "histogram steps")):
+            common = checks.common_steps(runs, attr)
+            if all(np.array_equal(getattr(r, attr), common) for r in runs):
+                out.append(common)
+                continue
+            which = "; ".join(checks.describe_steps(r, attr) for r in runs)
+            if common.size == 0 and all(np.size(getattr(r, attr)) for r in runs):
+                raise RunFileError(f"merge: the ranks share no recorded {what} ({which}): they do not come from "
+                                   "one run, or were recorded with settings that do not line up")
+            if all(checks.is_prefix(r, attr, common) for r in runs):
+                warnings.warn(f"ranks recorded different numbers of {what}; keeping the first {common.size} "
+                              f"(a rank may have stopped early): {which}", AmpvizWarning, stacklevel=3)
+            else:
+                warnings.warn(f"ranks recorded different {what} ({which}); keeping the {common.size} {what} "
+                              "every rank recorded", AmpvizWarning, stacklevel=3)
+            out.append(common)
+        return out[0], out[1]
 
     def _rank_payload(self, i: int):
         """(arrays, meta) of rank index ``i``, as one run file stores them."""
@@ -352,36 +384,33 @@ class Run:
     @classmethod
     def _from_file(cls, path: Path) -> Run:
         a, meta = _runfile.read(path)
-        names, kinds, dtypes = (meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes"))
+        lists = {k: meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes")}
+        for name, value in lists.items():
+            if not isinstance(value, list):
+                raise RunFileError(f"{path}: corrupt run: {name}: expected a list, got {type(value).__name__}")
         meta["ranks"] = [meta.pop("rank", 0)]
         try:
             optional = {n: a[n][None] if n in a else None for n in _OPTIONAL}
-            return cls(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(names), tensor_kinds=list(kinds),
-                       tensor_dtypes=list(dtypes), meta=meta, **{n: a[n][None] for n in _PER_RANK}, **optional)
+            run = cls(a["steps"], hist_steps=a["hist_steps"], meta=meta, **lists,
+                      **{n: a[n][None] for n in _PER_RANK}, **optional)
+            run._validate("Run", values=True)
         except RunFileError as e:
-            raise RunFileError(f"{path}: {e}") from None
+            raise RunFileError(f"{path}: {str(e).removeprefix('Run: ')}") from None
+        return run
 
     # ------------------------------------------------------------------ checks
-    def _validate(self, where: str) -> None:
-        R, N = np.shape(self.loss) if np.ndim(self.loss) == 2 else (None, None)
-        problems = []
-        if R is None:
-            problems.append(f"loss has shape {np.shape(self.loss)}, expected (ranks, steps)")
-        else:
-            for name in ("loss_scale", "next_scale", "skipped"):
-                if np.shape(getattr(self, name)) != (R, N):
-                    problems.append(f"{name} has shape {np.shape(getattr(self, name))}, expected {(R, N)}")
-            if np.shape(self.steps) != (N,):
-                problems.append(f"steps has shape {np.shape(self.steps)}, expected {(N,)}")
-            T = len(self.tensor_names)
-            exp = (R, np.size(self.hist_steps), T, H.NBINS)
-            if np.shape(self.counts) != exp:
-                problems.append(f"counts has shape {np.shape(self.counts)}, expected {exp}")
-            if not (len(self.tensor_kinds) == len(self.tensor_dtypes) == T):
-                problems.append("tensor_names, tensor_kinds and tensor_dtypes differ in length")
-            if self.grad_order is not None and np.shape(self.grad_order) != exp[:3]:
-                problems.append(f"grad_order has shape {np.shape(self.grad_order)}, expected {exp[:3]}")
-            if self.scheduler_steps is not None and np.shape(self.scheduler_steps) != (R, N):
-                problems.append(f"scheduler_steps has shape {np.shape(self.scheduler_steps)}, expected {(R, N)}")
+    def _validate(self, where: str, values: bool = False) -> None:
+        """Raise RunFileError naming every problem (the first few) with shapes, dtypes, step order, names,
+        kinds and metadata; with ``values``, also with the values themselves (one pass over the counts)."""
+        problems = checks.structure_problems(self)
+        if values and not problems:
+            problems = checks.value_problems(self)
         if problems:
-            raise RunFileError(f"{where}: corrupt run: " + "; ".join(problems))
+            raise RunFileError(f"{where}: corrupt run: " + checks.problem_text(problems))
+
+    # ------------------------------------------------------------------ findings
+    def diagnose(self) -> dict:
+        """The doctor's findings on this run, as plain data (dicts, lists, str, int, float, bool, None):
+        what went wrong, the evidence (steps, tensors, values) and what to do. See :mod:`ampviz.doctor`."""
+        from .doctor import diagnose       # lazily: ampviz.doctor imports this module
+        return diagnose(self)

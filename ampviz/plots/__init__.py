@@ -13,9 +13,9 @@ require("plotly", "ampviz.plots")
 
 from .heatmap import heatmap_figure  # noqa: E402
 from .histogram import histogram_figure, region_edges  # noqa: E402
-from .layers import layer_histograms_figure  # noqa: E402
+from .layers import layer_histograms_figure, tensor_map_figure  # noqa: E402
 from .ranks import rank_comparison_figure  # noqa: E402
 from .scale_trace import scale_trace_figure  # noqa: E402
 
 __all__ = ["histogram_figure", "region_edges", "scale_trace_figure", "heatmap_figure", "layer_histograms_figure",
-           "rank_comparison_figure"]
+           "tensor_map_figure", "rank_comparison_figure"]
