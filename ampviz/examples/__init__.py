@@ -4,5 +4,5 @@
     torchrun --nproc-per-node 2 -m ampviz.examples.ddp_basics                 # process-group basics
 
 ``ddp_amp`` trains with DDP + AMP + gradient accumulation and records every rank; ``trainer`` holds
-its Trainer; ``ddp_basics`` holds the small rank functions of lesson 09.
+its Trainer; ``ddp_basics`` holds the small rank functions of lesson 10.
 """

@@ -1,5 +1,5 @@
 """Small helpers for torch.distributed: start a process group from torchrun's environment, and launch
-ranks from a notebook (lessons 09 and 10 run the examples this way).
+ranks from a notebook (lessons 10 and 11 run the examples this way).
 
 The engine is PyTorch's own DDP; nothing here imitates it. ``launch`` does what ``torchrun`` does
 for one machine (it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... and starts the processes)

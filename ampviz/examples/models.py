@@ -75,7 +75,7 @@ class CharTransformer(nn.Module):
 
 def sigmoid_mlp(seed: int = 0, depth: int = 6, width: int = 64, d_in: int = 64, d_out: int = 10,
                 device=None) -> MLP:
-    """The vanishing-gradient network of lessons 04/05: ``depth`` sigmoid layers of ``width`` units."""
+    """The vanishing-gradient network of lessons 05/06: ``depth`` sigmoid layers of ``width`` units."""
     torch.manual_seed(seed)
     return MLP(d_in, width, depth, d_out, act="sigmoid").to(device or "cpu")
 

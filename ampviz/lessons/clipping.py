@@ -20,7 +20,7 @@ gradient. :func:`clipped_norm` replays both orders on real gradients with the re
 The figure (``clipping_figure``) and ``ClipOrderExplorer`` (max_norm and loss-scale sliders over
 both orders) follow the computation.
 
-Used by lessons 08 (clipping and accumulation).
+Used by lessons 09 (clipping and accumulation).
 """
 
 from __future__ import annotations

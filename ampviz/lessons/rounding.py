@@ -20,7 +20,7 @@ exact sum (what ``torch`` does for one fp16/bf16 addition), computed with
 The figure (``update_figure``) and ``UpdateExplorer`` (a weight, an update, a format: is the update
 applied?) follow the computation.
 
-Used by lessons 06 (master weights) and 07 (bf16 and fp8).
+Used by lessons 07 (master weights) and 08 (bf16 and fp8).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ its examples; a cell's number (and colour) is the data-set index. The table is c
 sampler (``ampviz.lessons.sampler.sampler_table``) with no process group: each rank derives its share
 from the seed, the epoch, its rank and the world size, so no communication is involved.
 
-Used by lessons 09 (DDP basics) and 10 (DDP + AMP training).
+Used by lessons 10 (DDP basics) and 11 (DDP + AMP training).
 """
 
 from __future__ import annotations

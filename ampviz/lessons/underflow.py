@@ -14,7 +14,7 @@ gradients by magnitude) and the questions a learner asks of them::
 
 "Flushed" means a non-zero value that becomes exactly 0 after ``(x * 2**s).to(format)``.
 
-Used by lessons 04 (gradient underflow), 05 (GradScaler) and 07 (bf16 and fp8).
+Used by lessons 05 (gradient underflow), 06 (GradScaler) and 08 (bf16 and fp8).
 """
 
 from __future__ import annotations
