@@ -1,0 +1,87 @@
+"""Findings from a recorded run: what went wrong, the evidence, and what to do (``ampviz doctor``).
+
+The questions AMP users ask, answered from what the Recorder stored::
+
+    import ampviz
+    run = ampviz.Run.load("runs/my_run.npz")
+    report = run.diagnose()                  # plain data: dicts, lists, str, int, float, bool, None
+    report["clean"], len(report["findings"])
+    print(ampviz.doctor.as_text(report, "my_run"))
+
+or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
+
+* ``nonfinite_gradient`` (error): gradients that went inf/nan *not* because of the loss scale, named by the
+  first tensor in backward order that held them (``Run.grad_order``), with the tensors they spread to;
+* ``forward_overflow`` (error) / ``forward_headroom`` (warning): recorded forward outputs
+  (``Recorder(..., outputs=True)``) that overflow their dtype, or come within a factor 2 of it; a non-finite
+  loss without recorded outputs;
+* ``init_scale_too_high`` (info), ``scale_collapse`` (error), ``frequent_skips`` (warning),
+  ``scale_unbounded`` (warning): GradScaler's trace, with replays of other scalers (``ampviz.scaler``);
+* ``ranks_disagree`` (error): DDP ranks whose scales or skips differ;
+* ``scheduler_on_skipped`` (warning): LR-scheduler steps taken on skipped steps (``Run.scheduler_steps``).
+
+Every finding is a dict: ``check``, ``severity`` ("error", "warning", "info"), ``summary`` (one line),
+``steps``, ``tensors``, ``ranks``, ``evidence`` (numbers), ``details`` (evidence in words) and
+``recommendation``. A healthy GradScaler run, whose few skips are growth probes, has none. Runs without a
+GradScaler also get ``switch``: what fp16 (replayed dynamic scaler, best static scale) and fp8 with
+per-tensor amax scaling would flush or overflow, per tensor, with a verdict and the caveat that a replay
+is a counterfactual.
+
+Needs only torch and numpy (no plotly).
+"""
+
+from __future__ import annotations
+
+from ..run import Run
+from ._facts import SEVERITIES, Facts, plain
+from ._nonfinite import CAUSES, forward_findings, nonfinite_findings, step_causes
+from ._render import as_html, as_text, headline
+from ._scale import rank_findings, scale_findings, scheduler_findings
+from ._switch import switch_table
+
+__all__ = ["diagnose", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
+
+CHECKS = ("nonfinite_gradient", "forward_overflow", "forward_headroom", "init_scale_too_high", "scale_collapse",
+          "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped")
+_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+def diagnose(run: Run) -> dict:
+    """Every check of the doctor on ``run``.
+
+    Parameters
+    ----------
+    run : an ``ampviz.Run`` (all ranks).
+
+    Returns
+    -------
+    dict of plain data: ``clean`` (no findings), ``findings`` (errors first), ``checks`` (what was checked
+    and, where a check could not run, why), ``nonfinite_steps`` (per rank and step that was skipped or held
+    inf/nan: its cause, one of ``CAUSES``, and first non-finite tensor), ``switch`` (see the module
+    docstring; None for fp16 runs) and ``run`` (steps, ranks, precision).
+    """
+    facts = Facts(run)
+    causes = step_causes(facts)
+    found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + scale_findings(facts, causes)
+             + rank_findings(facts) + scheduler_findings(facts))
+    found.sort(key=lambda f: _RANK[f["severity"]])
+    return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
+                          "precision": facts.precision, "scaler": facts.has_scaler,
+                          "skipped": int(run.skipped[0].sum()) if run.n_steps else 0},
+                  "clean": not found, "findings": found, "checks": _checks(facts), "nonfinite_steps": causes,
+                  "switch": switch_table(facts)})
+
+
+def _checks(facts: Facts) -> list[dict]:
+    run = facts.run
+    rows = [("non-finite gradients", run.hist_steps.size > 0, "no histograms recorded"),
+            ("forward overflow" if facts.output_rows else "forward overflow (loss only)", True, ""),
+            ("loss-scale health", facts.has_scaler, "no GradScaler"),
+            ("ranks agree", facts.n_ranks > 1, "one rank"),
+            ("LR scheduler on skipped steps", run.scheduler_steps is not None,
+             "no scheduler recorded: Recorder(..., scheduler=scheduler)"),
+            ("can I switch precision", facts.precision != "fp16", "already fp16")]
+    out = [{"check": name, "ran": bool(ran), "why": "" if ran else why} for name, ran, why in rows]
+    if not facts.output_rows:
+        out[1]["why"] = "no forward outputs recorded: Recorder(..., outputs=True) names the layer"
+    return out

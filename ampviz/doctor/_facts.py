@@ -1,0 +1,181 @@
+"""What every check of the doctor reads from a run: its formats, row groups, non-finite counts, maxima.
+
+One :class:`Facts` per diagnosis; the checks in ``_nonfinite``, ``_scale`` and ``_switch`` share it, so
+each derived array is computed once. Also the plain-data helpers every check uses to build findings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import histogram as H
+from ..formats import get_format
+from ..run import Run
+
+GRADIENT_KINDS = ("weight", "activation", "weight_local")
+SEVERITIES = ("error", "warning", "info")
+
+# a skipped step counts as a loss-scale overflow when its finite scaled gradients (or its clean
+# neighbours' at its scale) reach within this many binades of the format's largest binade
+EDGE_BINADES = 2
+NEIGHBOURS = 4              # clean histogram rows looked at on each side of a skipped step
+
+
+def finding(check: str, severity: str, summary: str, *, recommendation: str, steps=(), tensors=(), ranks=(),
+            evidence=None, details=()) -> dict:
+    """One finding as plain data (see ``ampviz.doctor``'s docstring for the fields)."""
+    assert severity in SEVERITIES, severity
+    return {"check": check, "severity": severity, "summary": summary, "ranks": [int(r) for r in ranks],
+            "steps": [int(s) for s in steps], "tensors": [str(t) for t in tensors],
+            "evidence": plain(evidence or {}), "details": [str(d) for d in details],
+            "recommendation": recommendation}
+
+
+def plain(value):
+    """``value`` as JSON-safe plain data: dicts, lists, str, int, float, bool, None; non-finite floats as
+    the strings "inf", "-inf", "nan" (strict JSON has no such numbers)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [plain(v) for v in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"not plain data: {type(value).__name__}")
+
+
+def scale_text(value) -> str:
+    """``65536.0`` -> ``"2^16"``; other numbers with 4 significant digits."""
+    value = float(value)
+    if value > 0 and math.isfinite(value):
+        m, e = math.frexp(value)
+        if m == 0.5:
+            return f"2^{e - 1}"
+    return f"{value:.4g}"
+
+
+def steps_text(steps, limit: int = 8) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"`` (runs of consecutive steps joined), at most ``limit`` pieces."""
+    steps = [int(s) for s in steps]
+    pieces, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        pieces.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    more = len(pieces) - limit
+    return ", ".join(pieces[:limit]) + (f" and {more} more runs of steps" if more > 0 else "")
+
+
+def names_text(names, limit: int = 5) -> str:
+    names = list(names)
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.3g}%"
+
+
+class Facts:
+    """A run and what the checks derive from it (computed once, lazily where costly).
+
+    Attributes
+    ----------
+    run : the Run.
+    precision : "fp16", "bf16" or "fp32": the dtype autocast produced (from the recorded activation-gradient
+        and output dtypes), "fp16" for a GradScaler run that recorded neither.
+    grad_format : the format the scaled gradients were computed in (its overflow threshold decides skips).
+    grad_rows, output_rows : tensor indices of gradient rows (weight, activation, weight_local) and of
+        forward-output rows.
+    """
+
+    def __init__(self, run: Run):
+        if not isinstance(run, Run):
+            raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
+        self.run = run
+        kinds = run.tensor_kinds
+        self.grad_rows = [t for t, k in enumerate(kinds) if k in GRADIENT_KINDS]
+        self.output_rows = [t for t, k in enumerate(kinds) if k == "output"]
+        dtypes = {run.tensor_dtypes[t] for t, k in enumerate(kinds) if k in ("activation", "output")}
+        self.has_scaler = bool(run.meta.get("scaler"))
+        if "torch.float16" in dtypes or (self.has_scaler and "torch.bfloat16" not in dtypes):
+            self.precision = "fp16"
+        elif "torch.bfloat16" in dtypes:
+            self.precision = "bf16"
+        else:
+            self.precision = "fp32"
+        self.grad_format = get_format(self.precision)
+        self.hist_pos = np.searchsorted(run.steps, run.hist_steps)          # (H,) step position of each row
+        self._cache = {}
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.run.ranks)
+
+    def row_of_step(self, position: int) -> int | None:
+        """The histogram row of the step at ``position`` in ``run.steps``, or None."""
+        h = int(np.searchsorted(self.hist_pos, position))
+        return h if h < self.hist_pos.size and self.hist_pos[h] == position else None
+
+    def nonfinite(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """(H, T) counts of inf (or beyond 2**127) and of nan values, per row and tensor, of rank index r."""
+        key = ("nonfinite", r)
+        if key not in self._cache:
+            c = self.run.counts[r]
+            self._cache[key] = (c[:, :, H.ABOVE], c[:, :, H.NAN])
+        return self._cache[key]
+
+    def finite_top(self, r: int, domain: str) -> np.ndarray:
+        """(H, T) binade exponent k of the highest non-empty finite binade (2**k, 2**(k+1)] in ``domain``;
+        -inf where a row holds no finite non-zero value."""
+        key = ("top", r, domain)
+        if key not in self._cache:
+            out = np.full(self.run.counts.shape[1:3], -np.inf)
+            exps = np.concatenate([[-127], H.binade_exponents()])           # "below" and the binades
+            for t in range(out.shape[1]):                                   # one tensor at a time
+                c = self.run.tensor_counts(t, domain, r)[:, H.BELOW:H.ABOVE] > 0       # (H, 254)
+                hit = c.any(axis=1)
+                top = c.shape[1] - 1 - np.argmax(c[:, ::-1], axis=1)
+                out[:, t] = np.where(hit, exps[top], -np.inf)
+            self._cache[key] = out
+        return self._cache[key]
+
+    def edge_exponent(self) -> int:
+        """Binade exponent from which a scaled gradient counts as "at the edge" of overflowing."""
+        return self.grad_format.emax - EDGE_BINADES
+
+    def backward_rank(self, r: int, h: int) -> np.ndarray:
+        """(T,) position of each tensor in the backward order of row ``h`` (smaller: closer to the loss),
+        and whether that order was recorded (False: guessed from module order).
+
+        A recorded ``grad_order`` is used where it is >= 0. A weight without one is placed just after its
+        module's activation gradient (a module's weight gradients are computed right after the gradient
+        of its output); activation gradients without an order are guessed in reverse module order.
+        """
+        run, T = self.run, len(self.run.tensor_names)
+        order = np.full(T, np.nan)
+        known = False
+        if run.grad_order is not None:
+            rec = run.grad_order[r, h].astype(float)
+            order = np.where(rec >= 0, rec, np.nan)
+            known = bool(np.any(rec >= 0))
+        act = {run.tensor_names[t]: t for t, k in enumerate(run.tensor_kinds) if k == "activation"}
+        n_act = len(act)
+        for i, t in enumerate(act.values()):
+            if np.isnan(order[t]):
+                order[t] = T + (n_act - i)               # guessed: later modules are closer to the loss
+        for t, k in enumerate(run.tensor_kinds):
+            if np.isnan(order[t]) and k in ("weight", "weight_local"):
+                module = run.tensor_names[t].removesuffix(" [local]").rsplit(".", 1)[0]
+                order[t] = order[act[module]] + 0.5 if module in act else 3 * T + t
+        return np.where(np.isnan(order), 4 * T, order), known

@@ -1,0 +1,265 @@
+"""Where non-finite values came from: per step, the first non-finite gradient in backward order and what
+caused it (the forward pass, the loss scale, or neither), and forward outputs that overflow their dtype.
+
+Causes of a step whose gradients (or loss) are not finite, decided in this order:
+
+* ``"forward"``: the loss is inf/nan, or a recorded forward output holds inf/nan. No loss scale fixes
+  this: the loss scale multiplies the backward pass only.
+* ``"unknown"``: the step has no histograms (``every > 1``), or no recorded tensor holds inf/nan.
+* ``"not the loss scale"``: no GradScaler; or the first non-finite gradient holds nan but no inf (an
+  overflow makes inf first); or the step's finite scaled gradients, and its clean neighbours' at the
+  step's scale, stay more than ``EDGE_BINADES`` binades below the format's largest binade.
+* ``"loss scale"``: otherwise: the scaled gradients were at the edge of the format, an ordinary overflow
+  that GradScaler answers by backing off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats import get_format
+from ._facts import NEIGHBOURS, Facts, finding, names_text, scale_text, steps_text
+
+CAUSES = ("forward", "loss scale", "not the loss scale", "unknown")
+
+
+def step_causes(facts: Facts) -> list[dict]:
+    """One plain dict per (rank, step) that was skipped or holds non-finite gradients or loss."""
+    out = []
+    for r in range(facts.n_ranks):
+        out += _rank_causes(facts, r)
+    return out
+
+
+def _bad_loss(loss: np.ndarray) -> np.ndarray:
+    # nan also stands for "no loss given" (Recorder.step() without a loss): bad only if some loss was given
+    return np.isinf(loss) | (np.isnan(loss) & np.isfinite(loss).any())
+
+
+def _rank_causes(facts: Facts, r: int) -> list[dict]:
+    run = facts.run
+    inf, nan = facts.nonfinite(r)                                               # (H, T) each
+    grads = facts.grad_rows
+    bad_rows = (inf[:, grads] + nan[:, grads]).sum(axis=1) > 0 if grads else np.zeros(inf.shape[0], bool)
+    bad_loss = _bad_loss(run.loss[r])
+    positions = np.flatnonzero(run.skipped[r] | bad_loss)
+    positions = np.union1d(positions, facts.hist_pos[bad_rows]).astype(int)
+    clean_rows = np.flatnonzero(~bad_rows & ~run.skipped[r][facts.hist_pos] & ~bad_loss[facts.hist_pos])
+    out = []
+    for p in positions:
+        h = facts.row_of_step(p)
+        entry = {"step": int(run.steps[p]), "rank": run.ranks[r], "skipped": bool(run.skipped[r, p]),
+                 "loss": float(run.loss[r, p]), "loss_scale": float(run.loss_scale[r, p]), "origin": None}
+        if h is not None:
+            entry.update(_origin(facts, r, h, inf[h], nan[h]))
+            entry["edge_gap"] = _edge_gap(facts, r, h, p, clean_rows)
+        entry["cause"] = _cause(facts, entry, bool(bad_loss[p]), h)
+        out.append(entry)
+    return out
+
+
+def _origin(facts: Facts, r: int, h: int, inf: np.ndarray, nan: np.ndarray) -> dict:
+    """The first non-finite gradient of row h in backward order, the tensors it spread to, the first
+    non-finite forward output in module order."""
+    names = facts.run.tensor_names
+    bad = [t for t in facts.grad_rows if inf[t] + nan[t] > 0]
+    order, recorded = facts.backward_rank(r, h)
+    bad.sort(key=lambda t: order[t])
+    outputs = [t for t in facts.output_rows if inf[t] + nan[t] > 0]
+    res = {"inf": {names[t]: int(inf[t]) for t in bad if inf[t]}, "nan": {names[t]: int(nan[t]) for t in bad if nan[t]},
+           "order_recorded": recorded, "spread": [names[t] for t in bad[1:]],
+           "forward_origin": names[outputs[0]] if outputs else None}
+    if bad:
+        t = bad[0]
+        res.update(origin=names[t], origin_kind=facts.run.tensor_kinds[t], origin_inf=int(inf[t]),
+                   origin_nan=int(nan[t]), next_module=_next_module(facts, t, order))
+    return res
+
+
+def _next_module(facts: Facts, t: int, order: np.ndarray):
+    """For an activation-gradient origin: the recorded module just before it in backward order (closer
+    to the loss), whose backward (or the ops between the two) computed the non-finite gradient."""
+    run = facts.run
+    if run.tensor_kinds[t] != "activation":
+        return None
+    acts = [a for a, k in enumerate(run.tensor_kinds) if k == "activation" and order[a] < order[t]]
+    return run.tensor_names[max(acts, key=lambda a: order[a])] if acts else None
+
+
+def _edge_gap(facts: Facts, r: int, h: int, p: int, clean_rows: np.ndarray) -> float:
+    """Binades between the largest finite scaled gradient of the step (or of its clean neighbours, at
+    this step's scale) and the edge of the format; <= 0 means at the edge."""
+    grads = facts.grad_rows
+    own = facts.finite_top(r, "scaled")[h, grads].max(initial=-np.inf)
+    i = np.searchsorted(clean_rows, h)
+    near = clean_rows[max(i - NEIGHBOURS, 0):i + NEIGHBOURS]
+    log2s = np.log2(facts.run.loss_scale[r, p])
+    nb = facts.finite_top(r, "unscaled")[near][:, grads].max(initial=-np.inf) + log2s if near.size else -np.inf
+    top = max(own, nb)
+    return float(facts.edge_exponent() - top) if np.isfinite(top) else float("inf")
+
+
+def _cause(facts: Facts, e: dict, bad_loss: bool, h) -> str:
+    if bad_loss or e.get("forward_origin"):
+        return "forward"
+    if h is None or e["origin"] is None:
+        return "unknown"
+    if not facts.has_scaler or (e["origin_nan"] and not e["origin_inf"]):
+        return "not the loss scale"
+    return "loss scale" if e["edge_gap"] <= 0 else "not the loss scale"
+
+
+# ---------------------------------------------------------------------------------------- findings
+def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
+    """One error per origin tensor of the non-finite gradients that the loss scale does not explain."""
+    groups = {}
+    for e in causes:
+        if e["cause"] == "not the loss scale":
+            groups.setdefault(e["origin"], []).append(e)
+    out = []
+    for origin, entries in groups.items():
+        first = entries[0]
+        steps = sorted({e["step"] for e in entries})
+        spread = list(dict.fromkeys(n for e in entries for n in e["spread"]))
+        kind = "gradient of its output" if first["origin_kind"] == "activation" else "weight gradient"
+        what = _inf_nan(first["origin_inf"], first["origin_nan"])
+        applied = [e["step"] for e in entries if not e["skipped"]]
+        summary = (f"non-finite gradients start at {origin} ({kind}: {what}) at {_n_steps(steps)}; not caused by "
+                   f"the loss scale" + (f"; spread to {len(spread)} more tensors" if spread else ""))
+        details = [_step_line(facts, e) for e in entries[:3]]
+        if len(entries) > 3:
+            details.append(f"... and {len(entries) - 3} more steps: {steps_text(steps[3:])}")
+        if applied:
+            details.append(f"the optimizer applied these steps (no GradScaler skipped them): {steps_text(applied)}; "
+                           f"the weights may now hold inf/nan")
+        if not first["order_recorded"]:
+            details.append("backward order not recorded in this run: guessed from the module order")
+        out.append(finding(
+            "nonfinite_gradient", "error", summary, steps=steps, tensors=[origin] + spread,
+            ranks=sorted({e["rank"] for e in entries}), details=details,
+            evidence={"origin": origin, "origin_kind": first["origin_kind"], "steps": steps,
+                      "per_step": [{k: e[k] for k in ("step", "rank", "skipped", "loss_scale", "inf", "nan",
+                                                      "edge_gap")} for e in entries[:20]],
+                      "applied_steps": applied, "next_module": first.get("next_module")},
+            recommendation=_origin_advice(first)))
+    return out
+
+
+def _n_steps(steps) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps ({steps_text(steps)})"
+
+
+def _inf_nan(n_inf: int, n_nan: int) -> str:
+    parts = [f"{n_inf} inf" if n_inf else "", f"{n_nan} nan" if n_nan else ""]
+    return " and ".join(p for p in parts if p) or "no inf or nan"
+
+
+def _step_line(facts: Facts, e: dict) -> str:
+    spread = [f"{n} ({_inf_nan(e['inf'].get(n, 0), e['nan'].get(n, 0))})" for n in e["spread"]]
+    edge = facts.edge_exponent()
+    gap = e["edge_gap"]
+    reach = "no finite gradient" if gap == float("inf") else f"the finite scaled gradients reach 2^{edge - gap:g}"
+    return (f"step {e['step']} (rank {e['rank']}, loss scale {scale_text(e['loss_scale'])}, "
+            f"{'skipped' if e['skipped'] else 'applied'}): {e['origin']} holds "
+            f"{_inf_nan(e['origin_inf'], e['origin_nan'])}" + (f", then {names_text(spread, 4)}" if spread else "")
+            + f"; {reach}, {facts.grad_format.name} overflows from 2^{facts.grad_format.emax + 1}")
+
+
+def _origin_advice(e: dict) -> str:
+    origin, nxt = e["origin"], e.get("next_module")
+    if e["origin_kind"] == "activation":
+        where = (f"the backward of {nxt} or of the ops between {origin} and {nxt}" if nxt
+                 else f"the ops between {origin} and the loss")
+        first = f"The gradient of {origin}'s output went non-finite first: it was computed by {where}."
+    else:
+        first = f"{origin}'s gradient went non-finite first, in the backward of its own module."
+    return (first + " Look there for a division by zero, log or sqrt of 0, an exp or pow that overflows, or a "
+            "custom autograd function; torch.autograd.detect_anomaly() on that step names the op. "
+            "A lower loss scale does not fix it.")
+
+
+def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
+    """Errors for forward outputs that overflowed (by first layer in module order) or a non-finite loss;
+    a warning for outputs within one binade of their dtype's maximum."""
+    out = _overflowing_outputs(facts)
+    seen = {s for f in out for s in f["steps"]}
+    lost = [e for e in causes if e["cause"] == "forward" and e["step"] not in seen and not e.get("forward_origin")]
+    if lost:
+        steps = sorted({e["step"] for e in lost})
+        hint = ("" if facts.output_rows else
+                " Record the forward outputs (Recorder(..., outputs=True)) to name the layer that overflowed.")
+        out.append(finding(
+            "forward_overflow", "error", f"the loss was not finite at {_n_steps(steps)}: the forward pass "
+            f"overflowed or produced nan", steps=steps, ranks=sorted({e["rank"] for e in lost}),
+            evidence={"steps": steps, "loss": [e["loss"] for e in lost[:20]]},
+            details=[f"step {e['step']} (rank {e['rank']}): loss {e['loss']:g}" for e in lost[:3]],
+            recommendation="No loss scale fixes this: the loss scale multiplies the backward pass only. Run the op "
+                           "that overflows in bf16 or fp32 (bf16 autocast, or autocast(enabled=False) around it "
+                           "with its inputs cast to float32)." + hint))
+    return out + _headroom(facts)
+
+
+def _overflowing_outputs(facts: Facts) -> list[dict]:
+    run, groups = facts.run, {}
+    for r in range(facts.n_ranks):
+        inf, nan = facts.nonfinite(r)
+        for h in range(run.hist_steps.size):
+            bad = [t for t in facts.output_rows if inf[h, t] + nan[h, t] > 0]
+            if bad:
+                groups.setdefault(bad[0], []).append((r, h, bad[1:]))
+    out = []
+    for t, hits in groups.items():
+        name, dtype = run.tensor_names[t], run.tensor_dtypes[t].removeprefix("torch.")
+        steps = sorted({int(run.hist_steps[h]) for _, h, _ in hits})
+        r0, h0, spread0 = hits[0]
+        inf, nan = facts.nonfinite(r0)
+        top = facts.finite_top(r0, "recorded")[:, t]
+        before = top[:h0][np.isfinite(top[:h0])]
+        loss = run.loss[r0, facts.hist_pos[h0]]
+        spread = list(dict.fromkeys(run.tensor_names[s] for _, _, sp in hits for s in sp))
+        details = [f"step {steps[0]} (rank {run.ranks[r0]}): {name}'s outputs hold "
+                   f"{_inf_nan(int(inf[h0, t]), int(nan[h0, t]))}; loss {loss:g}"
+                   + (f"; then {names_text([run.tensor_names[s] for s in spread0], 4)}" if spread0 else "")]
+        if before.size:
+            details.append(f"before step {steps[0]} its largest finite outputs reached 2^{before.max() + 1:g}")
+        out.append(finding(
+            "forward_overflow", "error", f"{name}'s outputs overflow {dtype} (reach inf) at {_n_steps(steps)}; "
+            f"no loss scale fixes this", steps=steps, tensors=[name] + spread,
+            ranks=sorted({run.ranks[r] for r, _, _ in hits}), details=details,
+            evidence={"layer": name, "dtype": dtype, "steps": steps, "first_step_inf": int(inf[h0, t]),
+                      "first_step_nan": int(nan[h0, t]), "first_step_loss": float(loss),
+                      "largest_finite_before_log2": float(before.max() + 1) if before.size else None,
+                      "spread": spread},
+            recommendation=f"The loss scale multiplies the backward pass only. Run {name} (or the op in it that "
+                           f"overflows) in bf16 or fp32: bf16 autocast, or autocast(enabled=False) around it "
+                           f"with its input cast to float32; or keep its outputs smaller (normalisation, smaller "
+                           f"init)."))
+    return out
+
+
+def _headroom(facts: Facts) -> list[dict]:
+    run, out = facts.run, []
+    for t in facts.output_rows:
+        dtype = run.tensor_dtypes[t].removeprefix("torch.")
+        if dtype not in ("float16", "bfloat16"):
+            continue
+        fmt = get_format(dtype)
+        hits = []
+        for r in range(facts.n_ranks):
+            inf, nan = facts.nonfinite(r)
+            top = facts.finite_top(r, "recorded")[:, t]
+            rows = np.flatnonzero((top >= fmt.emax) & (inf[:, t] + nan[:, t] == 0))
+            hits += [(r, h) for h in rows]
+        if hits:
+            steps = sorted({int(run.hist_steps[h]) for _, h in hits})
+            out.append(finding(
+                "forward_headroom", "warning", f"{run.tensor_names[t]}'s {dtype} outputs come within a factor 2 of "
+                f"{dtype}'s maximum ({fmt.max:g}) at {_n_steps(steps)}", steps=steps, tensors=[run.tensor_names[t]],
+                ranks=sorted({run.ranks[r] for r, _ in hits}),
+                evidence={"layer": run.tensor_names[t], "dtype": dtype, "steps": steps,
+                          "binade": f"(2^{fmt.emax}, 2^{fmt.emax + 1}]"},
+                details=[f"outputs in (2^{fmt.emax}, {fmt.max:g}] at steps {steps_text(steps)}"],
+                recommendation=f"One more doubling overflows to inf, and no loss scale helps the forward pass: "
+                               f"consider running {run.tensor_names[t]} in bf16 or fp32."))
+    return out
+

@@ -1,0 +1,91 @@
+"""The doctor's diagnosis as text (``ampviz doctor``) and as the report's HTML Findings section."""
+
+from __future__ import annotations
+
+import html
+
+from ._facts import percent
+
+_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def headline(diagnosis: dict) -> str:
+    """``"clean: no findings"`` or ``"3 findings (1 error, 2 warnings)"``."""
+    found = diagnosis["findings"]
+    if not found:
+        skips = [e for e in diagnosis["nonfinite_steps"] if e["skipped"]]
+        return "clean: no findings" + (f"; its {len(skips)} skipped step{'s were' if len(skips) != 1 else ' was'} "
+                                       f"ordinary loss-scale overflows" if skips else "")
+    counts = {s: sum(f["severity"] == s for f in found) for s in _ORDER}
+    parts = [f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n]
+    return f"{len(found)} finding{'s' if len(found) != 1 else ''} ({', '.join(parts)})"
+
+
+def checks_line(diagnosis: dict) -> list[str]:
+    ran = [c["check"] for c in diagnosis["checks"] if c["ran"]]
+    skipped = [f"{c['check']} ({c['why']})" for c in diagnosis["checks"] if not c["ran"]]
+    lines = [f"checked: {', '.join(ran)}"] if ran else []
+    return lines + ([f"not checked: {'; '.join(skipped)}"] if skipped else [])
+
+
+def as_text(diagnosis: dict, label: str = "run") -> str:
+    """The diagnosis of one run as lines of text: one line per finding, its evidence indented below it."""
+    lines = [f"{label}: {headline(diagnosis)}"]
+    for f in diagnosis["findings"]:
+        lines.append(f"  [{f['severity']}] {f['check']}: {f['summary']}")
+        lines += [f"      {d}" for d in f["details"]]
+        lines.append(f"      what to do: {f['recommendation']}")
+    lines += [f"  {line}" for line in checks_line(diagnosis)]
+    if diagnosis.get("switch"):
+        lines += switch_text(diagnosis["switch"])
+    return "\n".join(lines)
+
+
+def _table(sw: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["tensor", "kind"] + [t["short"] for t in sw["targets"]] + ["verdict"]
+    body = []
+    for t in sw["tensors"]:
+        cells = [_cell(t["shares"][tg["target"]]) for tg in sw["targets"]]
+        body.append([t["tensor"], t["kind"]] + cells + [t["verdict"]])
+    return head, body
+
+
+def _cell(share: dict) -> str:
+    return f"{percent(share['flushed'])} / {percent(share['overflow'])}"
+
+
+def switch_text(sw: dict) -> list[str]:
+    """The "can I switch precision?" table as text lines."""
+    head, body = _table(sw)
+    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head) - 1)]
+    lines = [f"  can I switch precision? (from {sw['from']}; cells: flushed / overflowed share of the non-zero "
+             f"values; ok below {percent(sw['ok_share'])} flushed and nothing overflowed)"]
+    for row in [head] + body:
+        lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    lines += [f"    {t['target']}: {t['verdict']}" for t in sw["targets"]]
+    lines.append(f"    caveat: {sw['caveat']}")
+    return lines
+
+
+def as_html(diagnosis: dict) -> str:
+    """The report's Findings section: headline, one item per finding with its evidence and what to do."""
+    e = html.escape
+    parts = [f'<h3>Findings</h3><p class="note">{e(headline(diagnosis))}. '
+             + " ".join(e(line) + "." for line in checks_line(diagnosis)) + "</p>"]
+    if diagnosis["findings"]:
+        items = []
+        for f in diagnosis["findings"]:
+            details = "".join(f"<li>{e(d)}</li>" for d in f["details"])
+            what = f'<li><i>What to do:</i> {e(f["recommendation"])}</li>'
+            items.append(f'<li class="finding {e(f["severity"])}"><b>[{e(f["severity"])}] {e(f["check"])}</b>: '
+                         f'{e(f["summary"])}<ul>{details}{what}</ul></li>')
+        parts.append(f'<ul class="findings">{"".join(items)}</ul>')
+    sw = diagnosis.get("switch")
+    if sw:
+        head, body = _table(sw)
+        rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in body)
+        parts.append(f"<h4>Can I switch precision? (from {e(sw['from'])})</h4>"
+                     f'<table class="summary"><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr>{rows}</table>'
+                     + "".join(f'<p class="note">{e(t["target"])}: {e(t["verdict"])}</p>' for t in sw["targets"])
+                     + f'<p class="note">{e(sw["caveat"])}</p>')
+    return "".join(parts)

@@ -1,0 +1,306 @@
+"""Loss-scale health: a too-high init_scale, a collapsing scale, skips more frequent than the growth
+interval allows, a scale growing without bound, ranks that disagree, and an LR scheduler that steps on
+skipped steps. Each finding quotes the steps and scales, and what replays of other scalers would have
+done over the recorded gradient trace (``ampviz.scaler.replay``: a counterfactual)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..gradient_trace import policy_from_run, trace_from_run
+from ..scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
+from ._facts import Facts, finding, scale_text, steps_text
+
+COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse
+UNBOUNDED_LOG2 = 40         # a loss scale of 2**40 or more: every gradient is below 2**-24, fp16's smallest
+
+
+def streaks(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, stop) positions of the runs of True in a 1-D bool array."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
+class _Scales:
+    """Rank 0's scale trace split into an initial burst of skips, collapses and the steady rest."""
+
+    def __init__(self, facts: Facts, causes: list[dict]):
+        run = self.run = facts.run
+        self.facts = facts
+        self.skipped, self.scale, self.next = run.skipped[0], run.loss_scale[0], run.next_scale[0]
+        self.cause = {e["step"]: e for e in causes if e["rank"] == run.ranks[0]}
+        self.policy = policy_from_run(run)
+        runs = streaks(self.skipped)
+        self.burst = None
+        if runs and runs[0][0] == 0 and runs[0][1] < run.n_steps and self.next[runs[0][1] - 1] >= 1 and all(
+                self._cause(p) in ("loss scale", "unknown") for p in range(*runs[0])):
+            self.burst = runs[0]
+        self.collapses = [s for s in runs if s != self.burst and (s[1] - s[0] >= COLLAPSE_STREAK
+                                                                 or self.next[s[0]:s[1]].min() < 1)]
+        steady = np.ones(run.n_steps, dtype=bool)
+        for a, b in ([self.burst] if self.burst else []) + self.collapses:
+            steady[a:b] = False
+        self.steady = steady
+        self._trace = None
+
+    def _cause(self, p: int) -> str:
+        e = self.cause.get(int(self.run.steps[p]))
+        return e["cause"] if e else "unknown"
+
+    @property
+    def trace(self) -> np.ndarray:
+        if self._trace is None:
+            rows = self.facts.grad_rows or None
+            trace = trace_from_run(self.run, self.facts.grad_format, tensors=rows)
+            # a step non-finite for another reason than the scale overflows at every scale: inf, not the
+            # recorded overflow bound (which a smaller scale would pass)
+            for p in np.flatnonzero(self.skipped):
+                if self._cause(p) in ("forward", "not the loss scale"):
+                    trace[p] = np.inf
+            self._trace = trace
+        return self._trace
+
+    def replays(self, policies: dict, window: tuple[int, int]) -> dict:
+        """{label: {"skipped": skips inside window, "crashed_at": step or None}} over the recorded trace."""
+        out = {}
+        for label, policy in policies.items():
+            rep = replay(policy, self.trace, self.facts.grad_format)
+            a, b = window
+            crashed = None if rep.crashed_at is None else int(self.run.steps[rep.crashed_at])
+            out[label] = {"skipped": int(rep.skipped[a:b].sum()), "crashed_at": crashed,
+                          "final_scale": rep.final_scale}
+        return out
+
+    def best_static(self) -> int | None:
+        """log2 of the largest static scale at which no clean recorded step overflows (None: no clean step)."""
+        clean = self.trace[np.isfinite(self.trace) & (self.trace > 0)]
+        if not clean.size:
+            return None
+        # trace values are binades' lower edges 2**k; k + s <= emax never overflows
+        return int(self.facts.grad_format.emax - math.floor(math.log2(clean.max())))
+
+    def alternatives(self, slower_growth: bool = True) -> dict:
+        """Other scalers to replay: as recorded, (growing 4x less often,) DeepSpeed, Megatron, best static."""
+        p = self.policy
+        g = p.growth_interval
+        alts = {f"PyTorch as recorded (growth_interval {g})": p}
+        if slower_growth:
+            alts[f"PyTorch, growth_interval {4 * g}"] = TorchPolicy(p.init_scale, p.growth_factor, p.backoff_factor,
+                                                                    4 * g)
+        alts.update({
+                f"DeepSpeed (hysteresis 2, scale_window {g})": DeepSpeedPolicy(
+                    init_scale=p.init_scale, scale_window=g, min_scale=min(1.0, p.init_scale),
+                    raise_error_at_min_scale=True),
+                f"Megatron (hysteresis 2, growth_interval {g})": MegatronPolicy(
+                    init_scale=p.init_scale, min_scale=min(1.0, p.init_scale), growth_interval=g)})
+        s = self.best_static()
+        if s is not None:
+            alts[f"static 2^{s}"] = StaticPolicy(init_scale=2.0 ** s)
+        return alts
+
+
+def _replay_lines(replays: dict, n: int) -> list[str]:
+    lines = []
+    for label, r in replays.items():
+        crash = ("" if r["crashed_at"] is None else
+                 f"; stops the run at step {r['crashed_at']} (loss scale already at minimum)")
+        lines.append(f"replay, {label}: {r['skipped']} of these {n} steps skipped{crash}")
+    return lines
+
+
+_REPLAY_CAVEAT = ("Replays run other scalers over this run's recorded gradients: a counterfactual (a different "
+                  "scale would have changed which steps were taken, and so every later gradient).")
+
+
+def scale_findings(facts: Facts, causes: list[dict]) -> list[dict]:
+    """Scale-health findings of rank 0's trace (none for a run without a GradScaler)."""
+    if not facts.has_scaler or facts.run.n_steps == 0:
+        return []
+    sc = _Scales(facts, causes)
+    out = []
+    if sc.burst:
+        out.append(_init_finding(sc))
+    out += [_collapse_finding(sc, s) for s in sc.collapses]
+    for make in (_frequent_finding, _unbounded_finding):
+        f = make(sc)
+        if f:
+            out.append(f)
+    return out
+
+
+def _init_finding(sc: _Scales) -> dict:
+    a, b = sc.burst
+    run, p = sc.run, sc.policy
+    settled = float(sc.next[b - 1])
+    steps = run.steps[a:b].tolist()
+    rep = sc.replays({f"init_scale {scale_text(settled)}": TorchPolicy(settled, p.growth_factor, p.backoff_factor,
+                                                                       p.growth_interval)}, (a, b))
+    n = b - a
+    return finding(
+        "init_scale_too_high", "info", f"init_scale {scale_text(sc.scale[0])} is too high: the first {n} step"
+        f"{'s were' if n > 1 else ' was'} skipped while the scale backed off to {scale_text(settled)}; harmless",
+        steps=steps, ranks=[run.ranks[0]],
+        evidence={"skipped_at_start": n, "init_scale": float(sc.scale[0]), "settled_scale": settled,
+                  "replays": rep},
+        details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}",
+                 *_replay_lines(rep, n), _REPLAY_CAVEAT],
+        recommendation=f"Harmless: GradScaler backs off on every overflow, so this costs {n} optimizer step"
+                       f"{'s' if n > 1 else ''} once. To avoid them, start lower: GradScaler(device, "
+                       f"init_scale={settled:g}). Don't mistake them for instability, and step the LR scheduler "
+                       f"only on steps that were not skipped.")
+
+
+_COLLAPSE_ADVICE = {
+    "forward": "The forward pass overflows (see the forward_overflow finding): no loss scale fixes it, and "
+               "GradScaler halves the scale at every step. Run the overflowing op in bf16 or fp32.",
+    "not the loss scale": "The gradients are non-finite at every scale (see the nonfinite_gradient finding for "
+                          "the layer): fix that op; backing off only skips every step.",
+    "loss scale": "The gradients grow faster than the scaler backs off: training is diverging. Lower the "
+                  "learning rate, clip gradients (after scaler.unscale_), check the data of those steps.",
+    "unknown": "Record histograms on every step (every=1) to see which tensors hold inf/nan on these steps.",
+}
+
+
+def _collapse_finding(sc: _Scales, span: tuple[int, int]) -> dict:
+    a, b = span
+    run = sc.run
+    steps = run.steps[a:b].tolist()
+    causes = [sc._cause(p) for p in range(a, b)]
+    tally = {c: causes.count(c) for c in dict.fromkeys(causes)}
+    main = max(tally, key=tally.get)
+    # a forward overflow makes every gradient nan: name the first overflowing output, not a gradient
+    origins = [sc.cause[s].get("forward_origin") if sc.cause[s]["cause"] == "forward" else sc.cause[s].get("origin")
+               for s in steps if s in sc.cause]
+    origins = [o for o in origins if o]
+    lowest = float(sc.next[a:b].min())
+    ended = b == run.n_steps
+    rep = sc.replays(sc.alternatives(slower_growth=False), (a, b))
+    n = b - a
+    summary = (f"the loss scale collapsed: {n} consecutive skipped steps ({steps_text(steps)}), "
+               f"{scale_text(sc.scale[a])} -> {scale_text(lowest)}" + (" (below 1)" if lowest < 1 else "")
+               + ("; still skipping when the run ended" if ended else ""))
+    details = ["causes of these steps: " + ", ".join(f"{c}: {k}" for c, k in tally.items())]
+    if origins:
+        common = max(set(origins), key=origins.count)
+        details.append(f"first non-finite {'output' if main == 'forward' else 'gradient'} on "
+                       f"{origins.count(common)} of them: {common}")
+    details += _replay_lines(rep, n) + [_REPLAY_CAVEAT]
+    return finding(
+        "scale_collapse", "error", summary, steps=steps, ranks=[run.ranks[0]],
+        tensors=sorted(set(origins), key=origins.index),
+        evidence={"skipped": n, "first_step": steps[0], "last_step": steps[-1], "scale_before": float(sc.scale[a]),
+                  "lowest_scale": lowest, "ended_skipping": ended, "causes": tally, "replays": rep},
+        details=details, recommendation=_COLLAPSE_ADVICE[main])
+
+
+def _frequent_finding(sc: _Scales):
+    run, g = sc.run, sc.policy.growth_interval
+    counted = [p for p in np.flatnonzero(sc.skipped & sc.steady) if sc._cause(p) in ("loss scale", "unknown")]
+    n_steady = int(sc.steady.sum())
+    allowed = n_steady // (g + 1) + 1
+    if len(counted) < 2 or len(counted) <= allowed:
+        return None
+    steps = run.steps[counted].tolist()
+    rep = sc.replays(sc.alternatives(), (0, run.n_steps))
+    for r in rep.values():       # count only the steady steps, as the finding does
+        r.pop("final_scale")
+    return finding(
+        "frequent_skips", "warning", f"{len(counted)} loss-scale overflows in {n_steady} steps: more than one per "
+        f"growth interval allows (at most {allowed} with growth_interval {g})", steps=steps, ranks=[run.ranks[0]],
+        evidence={"skipped": len(counted), "steady_steps": n_steady, "growth_interval": g, "allowed": allowed,
+                  "replays_whole_run": rep},
+        details=[f"skipped steps: {steps_text(steps)}"] + [
+            f"replay over the whole run, {k}: {v['skipped']} skipped" for k, v in rep.items()] + [_REPLAY_CAVEAT],
+        recommendation="Each skip discards a batch: the gradients' maximum jumps by more than the growth factor "
+                       "between steps. A scaler that grows less often or one with hysteresis skips fewer (replays "
+                       "above); if the jumps are loss spikes, lower the learning rate or clip gradients after "
+                       "scaler.unscale_.")
+
+
+def _unbounded_finding(sc: _Scales):
+    run = sc.run
+    top = float(sc.next.max())
+    if not top >= 2.0 ** UNBOUNDED_LOG2:
+        return None
+    first = int(np.flatnonzero(sc.next >= 2.0 ** UNBOUNDED_LOG2)[0])
+    grew = np.flatnonzero(run.grown[0]).tolist()
+    finite = sc.trace[np.isfinite(sc.trace) & (sc.trace > 0)]
+    largest = float(finite.max()) if finite.size else 0.0
+    capped = top * sc.policy.growth_factor > float(np.finfo(np.float32).max)
+    details = [f"the scale grew at steps {steps_text(run.steps[grew].tolist())} to {scale_text(top)}"
+               + (" (float32's cap: GradScaler grows no further)" if capped else ""),
+               f"largest unscaled gradient of the run: {scale_text(largest) if largest else '0'}"]
+    return finding(
+        "scale_unbounded", "warning", f"the loss scale grew without bound to {scale_text(top)} (from step "
+        f"{int(run.steps[first])}): the gradients stay tiny", steps=run.steps[grew].tolist(), ranks=[run.ranks[0]],
+        evidence={"max_scale": top, "first_step_above": int(run.steps[first]), "largest_unscaled_gradient": largest,
+                  "float32_cap": bool(capped)},
+        details=details,
+        recommendation="The update itself is fine (GradScaler unscales in fp32), but gradients this small "
+                       "usually mean a vanishing loss or dead layers: check the loss and the layers' gradients. When "
+                       "the gradients recover, the scale must back off from this height one skipped step per halving.")
+
+
+def rank_findings(facts: Facts) -> list[dict]:
+    """Under DDP every rank sees the same all-reduced gradients: scales and skips must agree."""
+    run = facts.run
+    if facts.n_ranks < 2 or run.n_steps == 0:
+        return []
+    differ = np.flatnonzero((run.loss_scale != run.loss_scale[0]).any(axis=0)
+                            | (run.skipped != run.skipped[0]).any(axis=0))
+    if not differ.size:
+        return []
+    steps = run.steps[differ].tolist()
+    lines = []
+    for p in differ[:3]:
+        lines.append(f"step {int(run.steps[p])}: " + ", ".join(
+            f"rank {r} scale {scale_text(run.loss_scale[i, p])}{' skipped' if run.skipped[i, p] else ''}"
+            for i, r in enumerate(run.ranks)))
+    return [finding(
+        "ranks_disagree", "error", f"ranks disagree on the loss scale or on skipping at {len(steps)} steps "
+        f"(first at step {steps[0]})", steps=steps, ranks=run.ranks,
+        evidence={"steps": steps, "skipped_per_rank": run.skipped.sum(axis=1).tolist(),
+                  "first": {str(r): {"loss_scale": float(run.loss_scale[i, differ[0]]),
+                                     "skipped": bool(run.skipped[i, differ[0]])} for i, r in enumerate(run.ranks)}},
+        details=lines,
+        recommendation="Under DDP all ranks all-reduce the same gradients and must skip together. Check that "
+                       "every rank calls scaler.step/update the same number of times; sharded gradients (FSDP, "
+                       "ZeRO) need found_inf all-reduced (ShardedGradScaler); don't unscale_ or clip local "
+                       "gradients before the all-reduce.")]
+
+
+def scheduler_findings(facts: Facts) -> list[dict]:
+    """How many LR-scheduler steps advanced on steps the scaler skipped (rank 0)."""
+    run = facts.run
+    if run.scheduler_steps is None or run.n_steps == 0:
+        return []
+    last_epoch = run.scheduler_steps[0].astype(np.int64)
+    start = _scheduler_start(run)
+    # step 0 advanced if last_epoch moved from where it was when recording began (unknown in older runs)
+    advanced = np.diff(np.concatenate([[last_epoch[0] if start is None else start], last_epoch])) > 0
+    hit = np.flatnonzero(advanced & run.skipped[0])
+    if not hit.size:
+        return []
+    steps = run.steps[hit].tolist()
+    n_skipped = int(run.skipped[0].sum())
+    taken = run.n_steps - n_skipped
+    return [finding(
+        "scheduler_on_skipped", "warning", f"the LR scheduler advanced on {len(hit)} of {n_skipped} skipped steps: "
+        f"its schedule runs {len(hit)} steps ahead of the optimizer", steps=steps, ranks=[run.ranks[0]],
+        evidence={"advanced_on_skipped": len(hit), "skipped": n_skipped, "optimizer_steps": taken,
+                  "scheduler_last_epoch": int(last_epoch[-1]), "scheduler_start": start},
+        details=[f"scheduler advanced on skipped steps {steps_text(steps)}",
+                 f"after {run.n_steps} steps: {taken} optimizer updates, scheduler last_epoch {int(last_epoch[-1])}"],
+        recommendation="Step the scheduler only when the optimizer stepped: `before = scaler.get_scale(); "
+                       "scaler.update(); if scaler.get_scale() >= before: scheduler.step()` (a host sync, as "
+                       "accelerate's optimizer_step_was_skipped does for HF's Trainer). Lightning steps schedulers "
+                       "on skipped steps (Lightning#16228, #18828). A few skips at the start only delay warm-up.")]
+
+
+def _scheduler_start(run):
+    """The scheduler's ``last_epoch`` when recording began, if the run stored it."""
+    sched = run.meta.get("scheduler")
+    value = sched.get("last_epoch_at_start") if isinstance(sched, dict) else None
+    return None if value is None else int(value)
