@@ -3,6 +3,7 @@
 Usage::
 
     ampviz info RUN [RUN ...] [--format fp16] [--json]
+    ampviz doctor RUN [RUN ...] [--json]
     ampviz report RUN [RUN ...] -o report.html [--format fp16] [--title TEXT]
     ampviz demo -o DIR [--steps 300] [--device auto|cpu|cuda] [--seed 0] [--quiet]
 
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ampviz`` command."""
     p = _Parser(prog="ampviz", description="See what mixed precision does to your gradients.")
     p.add_argument("--version", action="version", version=f"ampviz {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{info,report,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,doctor,report,demo}")
     fmt = dict(choices=list(FORMATS), default="fp16", help="format the fractions refer to (default fp16)")
 
     info = sub.add_parser("info", help="print a concise summary of runs")
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--format", **fmt)
     info.add_argument("--json", action="store_true", help="print Run.summary() as JSON instead")
     info.set_defaults(func=_cmd_info)
+
+    doctor = sub.add_parser("doctor", help="findings: what went wrong in runs, the evidence, what to do")
+    doctor.add_argument("runs", nargs="+", metavar="RUN", help="run file (.npz) or directory of rank files")
+    doctor.add_argument("--json", action="store_true", help="print Run.diagnose() as strict JSON instead")
+    doctor.set_defaults(func=_cmd_doctor)
 
     report = sub.add_parser("report", help="write a self-contained HTML report")
     report.add_argument("runs", nargs="+", metavar="RUN", help="run file (.npz) or directory of rank files")
@@ -115,6 +121,17 @@ def _cmd_info(args) -> int:
         print(("\n" if i else "") + str(path))
         for label, text in rows:
             print(f"  {label:<{width}}  {text}")
+    return 0
+
+
+def _cmd_doctor(args) -> int:
+    from .doctor import as_text
+    runs = [(str(path), _load(Path(path)).diagnose()) for path in args.runs]   # all first: fail before printing
+    if args.json:
+        out = dict(runs)
+        print(json.dumps(out if len(runs) > 1 else runs[0][1], indent=2, allow_nan=False))
+        return 0
+    print("\n\n".join(as_text(diagnosis, path) for path, diagnosis in runs))
     return 0
 
 
