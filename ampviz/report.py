@@ -226,9 +226,11 @@ def _figure_html(fig, div_id: str) -> str:
 
 
 def _run_section(run: Run, label: str, fmt, anchor: str) -> str:
+    from .doctor import as_html as findings_html
     from .gradient_trace import trace_from_run
     from .plots import rank_comparison_figure, scale_trace_figure
-    parts = [f'<h2 id="{anchor}">{html.escape(label)}</h2>', rows_as_html(summary_rows(run, fmt))]
+    parts = [f'<h2 id="{anchor}">{html.escape(label)}</h2>', findings_html(run.diagnose()),
+             rows_as_html(summary_rows(run, fmt))]
     if run.n_steps:
         ceiling = trace_from_run(run, fmt) if run.hist_steps.size and run.meta.get("scaler") else None
         parts.append(_figure_html(scale_trace_figure(run.steps, run.loss_scale[0], run.skipped[0], run.grown[0],
