@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from . import __version__
 from ._extras import MissingExtra, require
+from ._runfile import strict_json
 from .formats import FORMATS
 from .run import Run, RunFileError
 
@@ -92,16 +94,41 @@ def main(argv=None) -> int:
     except SystemExit as e:            # --help, --version, or a usage error already printed
         return e.code if isinstance(e.code, int) else 2
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()             # a reader that went away (ampviz info RUN | head -1) shows up here
+        return status
+    except BrokenPipeError:
+        return _stdout_gone()
     except (RunFileError, ValueError, OSError, MissingExtra) as e:
         return _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
         return _fail("interrupted", status=130)
+    except Exception as e:             # a bug, not the user's doing: still one line (AMPVIZ_DEBUG=1: the traceback)
+        if os.environ.get("AMPVIZ_DEBUG"):
+            raise
+        return _fail(f"internal error ({type(e).__name__}: {e}); please report it with the command line and the "
+                     "run file (AMPVIZ_DEBUG=1 shows the traceback)")
 
 
 def _fail(message: str, status: int = 1) -> int:
-    print(f"ampviz: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"ampviz: error: {printable(' '.join(message.split()))}", file=sys.stderr)
     return status
+
+
+def _stdout_gone() -> int:
+    """The reader of stdout closed it: stop quietly, like any Unix tool whose pipe closed (status 128 + SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())      # the interpreter's last flush then has nowhere to fail
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
+def printable(text: str) -> str:
+    """``text`` with control and other invisible characters escaped (names from run files are untrusted:
+    a terminal escape sequence in a tensor name must not reach the terminal)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
 def _load(path: Path) -> Run:
@@ -110,18 +137,22 @@ def _load(path: Path) -> Run:
 
 def _cmd_info(args) -> int:
     from .report import summary_rows
-    runs = [(path, _load(Path(path))) for path in args.runs]     # load all first: fail before printing
-    if args.json:
-        out = {str(path): run.summary(args.format) for path, run in runs}
-        print(json.dumps(out if len(runs) > 1 else out[str(runs[0][0])], indent=2))
-        return 0
-    for i, (path, run) in enumerate(runs):
+    runs, failed = [], 0
+    for path in args.runs:            # like ls or wc: one error line per unreadable run, the others summarised
+        try:
+            runs.append((path, _load(Path(path))))
+        except RunFileError as e:
+            failed = _fail(str(e))
+    if args.json and runs:            # strict JSON: no NaN or Infinity tokens (non-finite numbers are null)
+        out = {str(path): strict_json(run.summary(args.format)) for path, run in runs}
+        print(json.dumps(out if len(args.runs) > 1 else out[str(runs[0][0])], indent=2, allow_nan=False))
+    for i, (path, run) in enumerate(runs if not args.json else []):
         rows = summary_rows(run, args.format)
         width = max(len(label) for label, _ in rows)
-        print(("\n" if i else "") + str(path))
+        print(("\n" if i else "") + printable(path))
         for label, text in rows:
-            print(f"  {label:<{width}}  {text}")
-    return 0
+            print(f"  {label:<{width}}  {printable(text)}")
+    return failed
 
 
 def _cmd_doctor(args) -> int:

@@ -1,6 +1,8 @@
 """ampviz.examples.distributed: sampler tables against PyTorch's own permutation, ranks launched from Python,
 collectives checked against sums computed here, and a rank that fails on purpose."""
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -82,3 +84,22 @@ def test_a_failing_rank_stops_the_other_with_a_clear_error(tmp_path):
     run = ampviz.Run.load(tmp_path)
     assert run.ranks == [0, 1] and run.n_steps == 2
     np.testing.assert_array_equal(run.skipped[0], run.skipped[1])
+
+
+@pytest.mark.slow
+def test_a_rank_that_died_while_idle_is_a_launch_error_like_a_death_mid_run():
+    with Workers(2, timeout=60) as workers:
+        assert [h["rank"] for h in workers.run(ddp_basics.hello)] == [0, 1]
+        os.kill(workers.pids[1], signal.SIGKILL)             # the OOM killer, say, between two runs
+        deadline = time.monotonic() + 30
+        while workers.alive[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers.alive == [True, False]
+        start = time.monotonic()
+        with pytest.raises(LaunchError) as info:
+            workers.run(ddp_basics.hello)
+        assert time.monotonic() - start < 20                 # rank 0 is not left waiting for its peer
+        assert info.value.outcomes == {1: "died while idle, before hello (exit status -9)",
+                                       0: "not run: rank 1 had died (terminated)"}
+        assert "2 of 2 ranks failed running hello" in str(info.value)
+        assert workers.closed and workers.alive == [False, False]

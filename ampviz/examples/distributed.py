@@ -153,10 +153,8 @@ class Workers:
         if self.closed:
             raise RuntimeError("Workers are closed (a rank failed, or close() was called); start new ones")
         _check_importable(fn)
-        for conn in self._conns:
-            conn.send((fn, args))
+        outcomes, values, tracebacks = self._send_all(fn, args), {}, {}
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        outcomes, values, tracebacks = {}, {}, {}
         while len(outcomes) < self.nprocs and time.monotonic() < deadline:
             waiting = {self._conns[r]: r for r in range(self.nprocs) if r not in outcomes}
             for conn in multiprocessing.connection.wait(list(waiting), timeout=deadline - time.monotonic()):
@@ -181,6 +179,36 @@ class Workers:
         failed = sum(o != "ok" for o in outcomes.values())
         raise LaunchError(f"{failed} of {self.nprocs} ranks failed running {fn.__qualname__}:\n{lines}", outcomes,
                           tracebacks)
+
+    @property
+    def pids(self) -> list:
+        """Process ids of the ranks, ordered by rank."""
+        return [p.pid for p in self._procs]
+
+    @property
+    def alive(self) -> list:
+        """Whether each rank's process is still running, ordered by rank."""
+        return [p.is_alive() for p in self._procs]
+
+    def _send_all(self, fn, args) -> dict:
+        """Hand ``fn(*args)`` to every rank; a rank that died while idle is an outcome, not a BrokenPipeError.
+
+        When one has died, no rank is given the task (the others would wait on it in their first
+        collective): every outcome is filled in, so :meth:`run` raises LaunchError at once.
+        """
+        dead = {r: f"died while idle, before {fn.__qualname__} (exit status {p.exitcode})"
+                for r, p in enumerate(self._procs) if not p.is_alive()}
+        if not dead:
+            for r, conn in enumerate(self._conns):
+                try:
+                    conn.send((fn, args))
+                except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                    self._procs[r].join(1)
+                    dead[r] = f"died while idle, before {fn.__qualname__} (exit status {self._procs[r].exitcode})"
+        if dead:
+            for r in range(self.nprocs):
+                dead.setdefault(r, f"not run: rank {min(dead)} had died (terminated)")
+        return dead
 
     def close(self) -> None:
         """Stop every rank (politely, then by force)."""
