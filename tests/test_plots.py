@@ -187,7 +187,7 @@ def test_heatmap_cells_are_log10_counts_and_lines_follow_the_scale():
     cols = (y - 0.5).astype(int) + 128                       # row at k + 0.5 is column k + 128
     with np.errstate(divide="ignore"):
         expected = np.where(c[:, cols].T > 0, np.log10(c[:, cols].T), np.nan)
-    np.testing.assert_allclose(z, expected, rtol=1e-6)
+    np.testing.assert_allclose(z, expected, atol=5e-4)          # sent to 3 decimals; empty cells as None (nan)
     assert c[:, cols].sum() == c[:, H.BELOW:H.ABOVE].sum()   # every non-empty binade is drawn
     for trace, (_, region, *_) in zip(fig.data[1:4], LIMIT_LINES):
         np.testing.assert_array_equal(trace.y, region_edges("fp16", 0)[region][0] - log2s)
@@ -204,7 +204,7 @@ def test_long_runs_sum_windows_of_steps_into_columns():
     z = np.asarray(fig.data[0].z, dtype=float)
     assert z.shape[1] == -(-n // 3)                             # windows of 3 steps
     row = list(np.asarray(fig.data[0].y)).index(-9.5)
-    assert 10 ** z[row, 1] == pytest.approx(3 + 4 + 5) and fig.data[0].x[1] == 4.0
+    assert 10 ** z[row, 1] == pytest.approx(3 + 4 + 5, rel=2e-3) and fig.data[0].x[1] == 4.0
     assert "each column sums 3 steps" in fig.layout.title.text
 
 

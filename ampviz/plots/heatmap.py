@@ -20,8 +20,8 @@ from ..formats import get_format
 from .histogram import binade_positions, check_domain, region_edges
 from .style import REGION_COLORS, apply_layout, base_layout, log2_ticks, title_text
 
-__all__ = ["heatmap_figure", "heatmap_matrix", "heatmap_rows", "set_heatmap", "set_limit_lines", "set_cursor",
-           "LIMIT_LINES"]
+__all__ = ["heatmap_figure", "heatmap_matrix", "heatmap_rows", "heatmap_z", "set_heatmap", "set_limit_lines",
+           "set_cursor", "LIMIT_LINES"]
 
 _COLS = np.arange(H.BELOW, H.ABOVE)
 # (trace name, region whose lower edge the line is, region whose colour it takes, dash, legend text)
@@ -69,6 +69,17 @@ def heatmap_matrix(counts, rows: tuple, max_columns: int = MAX_COLUMNS) -> tuple
     c = c.T.astype(np.float32)
     with np.errstate(divide="ignore"):
         return np.where(c > 0, np.log10(c), np.nan).astype(np.float32), starts
+
+
+def heatmap_z(z) -> list:
+    """A heatmap matrix as the front end receives it: nested lists, log10 counts to 3 decimals, None where empty.
+
+    A FigureWidget sends a 2-D array as nested JSON lists, and JSON has no NaN ("Out of range float
+    values are not JSON compliant"); None is plotly's gap. Three decimals of log10 are 0.1% of a
+    count, finer than any colour step, and keep each message a third of the size.
+    """
+    z = np.asarray(z, dtype=np.float64)
+    return np.where(np.isnan(z), None, np.round(z, 3)).tolist()
 
 
 def heatmap_figure(counts, steps, format="fp16", log2_scale=0, *, domain: str = "unscaled",
@@ -129,13 +140,14 @@ def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled"
                 title: str | None = None) -> None:
     """Redraw a heatmap figure for new counts / scales / format (in place).
 
-    ``matrix`` (the pair from :func:`heatmap_matrix`) and ``rows`` (:func:`heatmap_rows`) may be passed
-    precomputed, which is what widgets do to keep updates fast. ``title`` replaces the title
-    (default: keep it).
+    ``matrix`` (the pair from :func:`heatmap_matrix`, its z optionally already :func:`heatmap_z`) and
+    ``rows`` (:func:`heatmap_rows`) may be passed precomputed, which is what widgets do to keep updates
+    fast. ``title`` replaces the title (default: keep it). The figure's z is :func:`heatmap_z` of the matrix.
     """
     c, steps, log2s = _check(counts, steps, log2_scale)
     rows = heatmap_rows(c) if rows is None else rows
     z, starts = heatmap_matrix(c, rows) if matrix is None else matrix
+    z = z if isinstance(z, list) else heatmap_z(z)
     k = np.arange(rows[0], rows[1] + 1) - 128                          # binade exponent of each row
     y = np.where(k == H.BELOW - 128, H.K_MIN - 0.5, k + 0.5)
     heat = fig.data[0]
@@ -146,8 +158,8 @@ def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled"
     window = int(ends[0] - starts[0])
     heat.hovertemplate = (f"step %{{x:.0f}}{f' (sum of {window} steps)' if window > 1 else ''}<br>"
                           "|g| ≈ 2^%{y:.1f}<br>10^%{z:.2f} values<extra></extra>")
-    finite = z[np.isfinite(z)]
-    top = float(np.ceil(finite.max())) if finite.size else 1.0
+    top = max((max((v for v in row if v is not None), default=-1.0) for row in z), default=-1.0)
+    top = float(np.ceil(top)) if top >= 0 else 1.0
     if heat.zmax != max(top, 1.0):           # colour bar ticks: one per decade of counts
         heat.zmax = max(top, 1.0)
         decades = list(range(0, int(heat.zmax) + 1))

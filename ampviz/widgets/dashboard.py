@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import get_format
-from ..plots.heatmap import heatmap_figure, heatmap_matrix, heatmap_rows, set_cursor, set_heatmap
+from ..plots.heatmap import heatmap_figure, heatmap_matrix, heatmap_rows, heatmap_z, set_cursor, set_heatmap
 from ..plots.histogram import (
     check_domain,
     histogram_figure,
@@ -127,7 +127,7 @@ class RunDashboard(W.VBox):
             log2s = self.run.log2_scales()[r] if domain == "unscaled" else np.zeros(counts.shape[0], np.int64)
             rows = heatmap_rows(counts)
             self._cache[key] = {"counts": counts, "log2s": log2s, "rows": rows,
-                                "matrix": heatmap_matrix(counts, rows),
+                                "matrix": _as_sent(heatmap_matrix(counts, rows)),
                                 "x_range": histogram_x_range(counts, self.format, (log2s.min(), log2s.max()))}
         return self._cache[key]
 
@@ -214,6 +214,12 @@ class RunDashboard(W.VBox):
                 ("exact zeros", f"{int(self.counts[H.ZERO]):,}")]
         rows += [(name, f"{100 * self.fractions[name]:.3g}% of non-zero") for name in REGIONS]
         return table_html(rows, title=self._what())
+
+
+def _as_sent(matrix) -> tuple:
+    """(z as the front end receives it, column starts): converted once per selection, not per update."""
+    z, starts = matrix
+    return heatmap_z(z), starts
 
 
 def _shares(fate) -> dict:
