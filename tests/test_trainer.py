@@ -83,3 +83,24 @@ def test_regression_split_trains_with_its_own_loss_and_reports_no_accuracy():
     res = train_classifier(model, diabetes(), steps=5, batch_size=16, lr=1e-1,
                            loss_fn=lambda out, y: F.mse_loss(out.squeeze(-1), y))
     assert np.isnan(res.test_accuracy) and np.isfinite(res.losses).all() and res.weights_changed.all()
+
+
+def test_sharded_evaluation_on_two_gloo_ranks_equals_the_single_process_evaluation():
+    from ampviz.examples import ddp_basics
+    from ampviz.examples.distributed import launch
+    ranks = launch(ddp_basics.sharded_evaluation, 2, args=(359,), timeout=150)
+    assert [r["per_rank"] for r in ranks] == [180, 180]             # 359 padded to 360: one example twice
+    loss0, acc0 = ranks[0]["rank0"]                                  # rank 0 alone, the whole split
+    for r in ranks:
+        loss, acc = r["sharded"]
+        assert acc == acc0 and abs(loss - loss0) <= 1e-6 * abs(loss0)
+    assert abs(acc0 * 359 - round(acc0 * 359)) < 1e-3       # a count out of 359 (k / 360 is never within 1e-3 / 359)
+
+
+def test_sharded_evaluation_in_one_process_is_evaluate(data):
+    from ampviz.examples.trainer import Trainer
+    model = relu_mlp(seed=0, depth=1, width=16)
+    trainer = Trainer(model, None, None, device="cpu", amp_dtype=None)
+    loss, acc = trainer.evaluate(data.x_test[:101], data.y_test[:101])
+    loss_s, acc_s = trainer.evaluate_sharded(data.x_test[:101], data.y_test[:101])
+    assert acc_s == acc and abs(loss_s - loss) <= 1e-6 * loss

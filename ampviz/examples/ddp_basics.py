@@ -14,6 +14,7 @@ or a terminal with torchrun, which runs :func:`main` (hello + an all-reduce on e
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import time
@@ -28,8 +29,10 @@ from torch.utils.data import DistributedSampler
 from .data import digits
 from .distributed import init_from_env
 from .models import MLP
+from .trainer import Trainer
 
-__all__ = ["hello", "sampler_shares", "reductions", "rank0_evaluation", "restore_and_broadcast",
+__all__ = ["hello", "env_without_local_rank", "collective_timeout", "forward_broadcasts", "sampler_shares",
+           "reductions", "rank0_evaluation", "sharded_evaluation", "restore_and_broadcast",
            "accumulation_all_reduces", "small_model", "main"]
 
 
@@ -61,6 +64,79 @@ def hello() -> dict:
     return {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
             "backend": env.backend, "device": str(env.device), "pid": os.getpid(),
             "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
+
+
+def env_without_local_rank() -> dict:
+    """Join a one-process group from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` alone.
+
+    Run it in a process whose environment lacks ``LOCAL_RANK`` (a subprocess): ``init_process_group``
+    never reads it; ``dist.get_node_local_rank`` does, and needs a fallback without it.
+    """
+    dist.init_process_group("gloo")                           # env:// -- the four variables only
+    try:
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        try:
+            dist.get_node_local_rank()
+            local_rank_error = None
+        except RuntimeError as err:
+            local_rank_error = str(err).split(".")[0]
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "all_reduce": float(value),
+                "LOCAL_RANK set": "LOCAL_RANK" in os.environ, "get_node_local_rank() error": local_rank_error,
+                "get_node_local_rank(fallback_rank=0)": dist.get_node_local_rank(fallback_rank=0)}
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_timeout(seconds: float = 2.0) -> dict:
+    """Rank 0 all-reduces on a gloo group with a ``seconds`` timeout; the other ranks never join it.
+
+    Returns the error rank 0 got (gloo raises when the timeout passes; NCCL's watchdog would abort
+    the process instead) and how long it waited. The default group stays usable afterwards.
+    """
+    env = init_from_env(timeout=60)
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    start, error = time.perf_counter(), None
+    if env.rank == 0:
+        try:
+            dist.all_reduce(torch.ones(1), group=short)      # nobody else calls it
+        except RuntimeError as err:
+            error = f"{type(err).__name__}: {err}"
+    else:
+        time.sleep(seconds + 1.0)                             # busy elsewhere, past the timeout
+    waited = time.perf_counter() - start
+    dist.barrier()                                            # the default group still works
+    dist.destroy_process_group(short)
+    return {"rank": env.rank, "error": error, "waited_seconds": waited}
+
+
+class _Offset(torch.nn.Module):
+    """A linear layer plus a registered buffer (like BatchNorm's running statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.register_buffer("offset", torch.zeros(2))
+
+    def forward(self, x):
+        return self.linear(x) + self.offset
+
+
+def forward_broadcasts() -> dict:
+    """What a DDP forward sends: rank 1 changes a parameter and a buffer after the constructor;
+    after one forward, rank 0's buffer has overwritten rank 1's (``broadcast_buffers=True``), the
+    changed parameter has not (parameters are broadcast once, in the constructor)."""
+    env = init_from_env(timeout=60)
+    torch.manual_seed(0)
+    ddp = _ddp(_Offset(), env)
+    if env.rank == 1:
+        with torch.no_grad():
+            ddp.module.linear.bias.add_(1.0)                  # a parameter, changed on rank 1 only
+            ddp.module.offset.fill_(5.0)                      # a buffer, changed on rank 1 only
+    ddp(torch.ones(3, 4, device=env.device)).sum().backward()  # one forward (and its backward)
+    return {"rank": env.rank, "buffer after forward": ddp.module.offset.tolist(),
+            "bias after forward": [round(v, 6) for v in ddp.module.linear.bias.tolist()],
+            "forward syncs buffers": ddp.will_sync_module_buffers()}
 
 
 def sampler_shares(n: int, epochs: int, seed: int = 0) -> dict:
@@ -135,9 +211,30 @@ def rank0_evaluation(path: str, use_barrier: bool, eval_seconds: float = 1.0) ->
             "next_step_seconds": step_seconds, "checksum": _checksum(ddp.module)}
 
 
+def sharded_evaluation(n_examples: int = 359) -> dict:
+    """Train a few DDP steps, then evaluate the first ``n_examples`` test digits two ways: rank 0
+    alone on the whole split (``Trainer.evaluate``), and every rank on its ``DistributedSampler``
+    share, gathered with the padding trimmed (``Trainer.evaluate_sharded``)."""
+    env = init_from_env(timeout=60)
+    x, y = _shard(env)
+    ddp = _ddp(small_model(0), env)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _train_steps(ddp, opt, x, y, 5)
+    d = digits(seed=0)
+    x_eval, y_eval = d.x_test[:n_examples], d.y_test[:n_examples]
+    trainer = Trainer(ddp, opt, None, device=env.device, amp_dtype=None)
+    out = {"rank": env.rank, "examples": len(y_eval), "sharded": trainer.evaluate_sharded(x_eval, y_eval),
+           "per_rank": len(DistributedSampler(range(len(y_eval)), shuffle=False))}
+    if env.rank == 0:
+        out["rank0"] = trainer.evaluate(x_eval, y_eval)        # the unwrapped module: no collectives
+    dist.barrier()
+    return out
+
+
 def restore_and_broadcast(path: str, lr: float = 1e-3) -> dict:
-    """Resume from a checkpoint the way the seed does: model on rank 0 then DDP's broadcast; optimizer
-    state restored on every rank, or (the mistake) on rank 0 only. One step each; checksums returned."""
+    """Resume from a checkpoint the way a widely read DDP walkthrough does: model on rank 0, then DDP's
+    broadcast; optimizer state restored on every rank, or (the mistake) on rank 0 only. One step each;
+    checksums returned."""
     env = init_from_env(timeout=60)
     x, y = _shard(env)
     out = {"rank": env.rank}

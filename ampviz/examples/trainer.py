@@ -1,17 +1,20 @@
 """A DDP + AMP classification Trainer (train / dev / test), written the way PyTorch documents it.
 
-It is the Trainer of the seed article rebuilt, with its mistakes fixed:
+It rebuilds the DDP + AMP Trainer of *图解分布式训练（五）—— AMP混合精度训练 详细解析* (宁静致远,
+AI大模型面试宝典, 2023), with its mistakes fixed:
 
 * only the forward pass and the loss run inside ``autocast``; ``backward``, ``scaler.step`` and
   ``scaler.update`` run outside it;
 * no ``barrier()`` in the training step: DDP's gradient all-reduce already keeps ranks in step;
   the one barrier is after rank 0's evaluation and checkpoint, so no rank runs ahead of the file;
 * gradient accumulation skips the all-reduce with ``no_sync()`` on the micro-batches that do not step;
-* ``train(loader, sampler, steps, dev=None)`` (the seed put a required argument after a defaulted one,
-  which does not parse), and ``sampler.set_epoch(epoch)`` at every epoch;
-* evaluation on rank 0 over the whole dev / test set with the unwrapped module (a padded
-  ``DistributedSampler`` would count some examples twice); checkpoints hold ``module.state_dict()``
-  and are loaded with ``torch.load(..., weights_only=True, map_location=device)``.
+* ``train(loader, sampler, steps, dev=None)`` (the article put a required argument after a defaulted
+  one, which does not parse), and ``sampler.set_epoch(epoch)`` at every epoch;
+* evaluation counts every example once: on rank 0 over the whole dev / test set with the unwrapped
+  module (:meth:`Trainer.evaluate`), or shared by all ranks with the ``DistributedSampler``'s padding
+  trimmed after an ``all_gather`` (:meth:`Trainer.evaluate_sharded`, for splits too big for one rank);
+  checkpoints hold ``module.state_dict()`` and are loaded with
+  ``torch.load(..., weights_only=True, map_location=device)``.
 
 Usage (inside a process group, e.g. under torchrun; see ``ampviz.examples.ddp_amp``)::
 
@@ -165,6 +168,33 @@ class Trainer:
         logits = self.predict(x)
         y = y.to(self.device)
         return float(F.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
+
+    @torch.no_grad()
+    def evaluate_sharded(self, x, y, batch: int = 512) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy on the whole of (x, y), the work shared by every rank.
+
+        Call it on **every** rank (it runs collectives). Rank r evaluates the indices a
+        ``DistributedSampler(shuffle=False)`` gives it; the sampler pads the split with repeated
+        examples so that it divides by the world size. ``all_gather`` collects every rank's
+        per-example loss and correctness (equal lengths, thanks to the padding), and the padding
+        is trimmed before averaging, so each example counts exactly once and every rank returns
+        the numbers :meth:`evaluate` gives on one process.
+        """
+        from torch.utils.data import DistributedSampler
+        n = len(y)
+        mine = list(DistributedSampler(range(n), num_replicas=self.world, rank=self.rank, shuffle=False))
+        idx = torch.tensor(mine, dtype=torch.long)
+        logits = self.predict(x[idx], batch=batch)                          # (len(mine), classes)
+        target = y[idx].to(self.device)
+        per_example = torch.stack([F.cross_entropy(logits, target, reduction="none"),
+                                   (logits.argmax(1) == target).float()], dim=1)   # (len(mine), 2)
+        if self.world > 1:
+            gathered = [torch.empty_like(per_example) for _ in range(self.world)]
+            dist.all_gather(gathered, per_example)
+            # rank r holds positions r, r + world, ...: interleave back to sampler order, then trim
+            per_example = torch.stack(gathered, dim=1).reshape(-1, 2)
+        loss, correct = per_example[:n].mean(dim=0).tolist()                # a host sync
+        return loss, correct
 
     def report(self, x, y, labels=None) -> str:
         """scikit-learn's classification report on (x, y)."""
