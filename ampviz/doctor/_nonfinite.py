@@ -3,12 +3,15 @@ caused it (the forward pass, the loss scale, or neither), and forward outputs th
 
 Causes of a step whose gradients (or loss) are not finite, decided in this order:
 
-* ``"forward"``: the loss is inf/nan, or a recorded forward output holds inf/nan. No loss scale fixes
-  this: the loss scale multiplies the backward pass only.
+* ``"forward"``: the loss is inf/nan, or a recorded forward output holds inf/nan, or the gradient nearest
+  the loss (the model output's) holds nan and no inf: the loss's backward gives nan only when the loss or
+  the output is already non-finite (a loss-scale overflow makes inf). No loss scale fixes this: the loss
+  scale multiplies the backward pass only.
 * ``"unknown"``: the step has no histograms (``every > 1``), or no recorded tensor holds inf/nan.
 * ``"not the loss scale"``: no GradScaler; or the first non-finite gradient holds nan but no inf (an
-  overflow makes inf first); or the step's finite scaled gradients, and its clean neighbours' at the
-  step's scale, stay more than ``EDGE_BINADES`` binades below the format's largest binade.
+  overflow makes inf first); or that tensor's finite scaled values, and its values on the clean
+  neighbouring steps at this step's scale, stay more than ``EDGE_BINADES`` binades below the format's
+  largest binade (an overflow at the scale leaves a tail of large finite values next to the inf).
 * ``"loss scale"``: otherwise: the scaled gradients were at the edge of the format, an ordinary overflow
   that GradScaler answers by backing off.
 """
@@ -49,31 +52,72 @@ def _rank_causes(facts: Facts, r: int) -> list[dict]:
     for p in positions:
         h = facts.row_of_step(p)
         entry = {"step": int(run.steps[p]), "rank": run.ranks[r], "skipped": bool(run.skipped[r, p]),
-                 "loss": float(run.loss[r, p]), "loss_scale": float(run.loss_scale[r, p]), "origin": None}
+                 "loss": float(run.loss[r, p]), "loss_scale": float(run.loss_scale[r, p]), "origin": None,
+                 "sources": []}
         if h is not None:
             entry.update(_origin(facts, r, h, inf[h], nan[h]))
-            entry["edge_gap"] = _edge_gap(facts, r, h, p, clean_rows)
-        entry["cause"] = _cause(facts, entry, bool(bad_loss[p]), h)
+            for src in entry["sources"]:
+                src["edge_gap"] = _edge_gap(facts, r, h, p, clean_rows, src.pop("row"))
+                src["cause"] = _source_cause(facts, src)
+        entry["cause"] = _cause(entry, bool(bad_loss[p]), h)
+        # skipped anyway by the scale, whatever else went wrong in the same step
+        entry["scale_overflow"] = entry["cause"] == "loss scale" or any(
+            x["cause"] == "loss scale" for x in entry["sources"])
+        primary = next((x for x in entry["sources"] if x["cause"] == entry["cause"]), None)
+        if primary is not None:
+            entry.update(origin=primary["tensor"], origin_kind=primary["kind"], origin_inf=primary["inf"],
+                         origin_nan=primary["nan"], next_module=primary["next_module"], edge_gap=primary["edge_gap"])
         out.append(entry)
     return out
 
 
 def _origin(facts: Facts, r: int, h: int, inf: np.ndarray, nan: np.ndarray) -> dict:
-    """The first non-finite gradient of row h in backward order, the tensors it spread to, the first
-    non-finite forward output in module order."""
-    names = facts.run.tensor_names
+    """The non-finite gradients of row h in backward order, the sources among them (see ``_sources``),
+    the first non-finite forward output in module order."""
+    run, names = facts.run, facts.run.tensor_names
     bad = [t for t in facts.grad_rows if inf[t] + nan[t] > 0]
     order, recorded = facts.backward_rank(r, h)
     bad.sort(key=lambda t: order[t])
+    sources = _sources(facts, bad, order)
     outputs = [t for t in facts.output_rows if inf[t] + nan[t] > 0]
-    res = {"inf": {names[t]: int(inf[t]) for t in bad if inf[t]}, "nan": {names[t]: int(nan[t]) for t in bad if nan[t]},
-           "order_recorded": recorded, "spread": [names[t] for t in bad[1:]],
-           "forward_origin": names[outputs[0]] if outputs else None}
-    if bad:
-        t = bad[0]
-        res.update(origin=names[t], origin_kind=facts.run.tensor_kinds[t], origin_inf=int(inf[t]),
-                   origin_nan=int(nan[t]), next_module=_next_module(facts, t, order))
-    return res
+    nearest = min(facts.grad_rows, key=lambda g: order[g]) if facts.grad_rows else None
+    return {"inf": {names[t]: int(inf[t]) for t in bad if inf[t]},
+            "nan": {names[t]: int(nan[t]) for t in bad if nan[t]},
+            "order_recorded": recorded, "spread": [names[t] for t in bad if t not in sources],
+            "forward_origin": names[outputs[0]] if outputs else None,
+            "sources": [{"tensor": names[t], "row": t, "kind": run.tensor_kinds[t], "inf": int(inf[t]),
+                         "nan": int(nan[t]), "nearest_loss": t == nearest, "spread": _spread_of(t, sources, bad, names),
+                         "next_module": _next_module(facts, t, order)} for t in sources]}
+
+
+def _spread_of(t: int, sources: list, bad: list, names: list) -> list:
+    """The non-source tensors after source ``t`` in backward order, up to the next source."""
+    i = bad.index(t)
+    stop = min((bad.index(s) for s in sources if bad.index(s) > i), default=len(bad))
+    return [names[b] for b in bad[i + 1:stop] if b not in sources]
+
+
+def _sources(facts: Facts, bad: list, order: np.ndarray) -> list:
+    """The non-finite tensors (``bad``, in backward order) where non-finite values started, not spread to.
+
+    Backward carries a gradient from one module's output to the previous one's through the module
+    in between, so an activation gradient whose neighbour nearer the loss is finite started there; a
+    weight gradient whose module's output gradient is finite started in that module's backward.
+    """
+    run = facts.run
+    acts = sorted((t for t in facts.grad_rows if run.tensor_kinds[t] == "activation"), key=lambda t: order[t])
+    nearer = {t: (acts[i - 1] if i else None) for i, t in enumerate(acts)}
+    module_row = {run.tensor_names[t]: t for t in acts}
+    bad_set, out = set(bad), []
+    for t in bad:
+        if run.tensor_kinds[t] == "activation":
+            started = nearer[t] is None or nearer[t] not in bad_set
+        else:
+            m = module_row.get(run.tensor_names[t].removesuffix(" [local]").rsplit(".", 1)[0])
+            started = m not in bad_set if m is not None else not out
+        if started:
+            out.append(t)
+    return out
 
 
 def _next_module(facts: Facts, t: int, order: np.ndarray):
@@ -86,27 +130,38 @@ def _next_module(facts: Facts, t: int, order: np.ndarray):
     return run.tensor_names[max(acts, key=lambda a: order[a])] if acts else None
 
 
-def _edge_gap(facts: Facts, r: int, h: int, p: int, clean_rows: np.ndarray) -> float:
-    """Binades between the largest finite scaled gradient of the step (or of its clean neighbours, at
-    this step's scale) and the edge of the format; <= 0 means at the edge."""
-    grads = facts.grad_rows
-    own = facts.finite_top(r, "scaled")[h, grads].max(initial=-np.inf)
+def _edge_gap(facts: Facts, r: int, h: int, p: int, clean_rows: np.ndarray, t: int) -> float:
+    """Binades between the largest finite scaled value of tensor ``t`` at row ``h`` (or on the clean
+    neighbouring rows, at this step's scale) and the edge of the format; <= 0 means at the edge."""
+    own = facts.finite_top(r, "scaled")[h, t]
     i = np.searchsorted(clean_rows, h)
     near = clean_rows[max(i - NEIGHBOURS, 0):i + NEIGHBOURS]
     log2s = np.log2(facts.run.loss_scale[r, p])
-    nb = facts.finite_top(r, "unscaled")[near][:, grads].max(initial=-np.inf) + log2s if near.size else -np.inf
+    nb = facts.finite_top(r, "unscaled")[near, t].max(initial=-np.inf) + log2s if near.size else -np.inf
     top = max(own, nb)
     return float(facts.edge_exponent() - top) if np.isfinite(top) else float("inf")
 
 
-def _cause(facts: Facts, e: dict, bad_loss: bool, h) -> str:
-    if bad_loss or e.get("forward_origin"):
-        return "forward"
-    if h is None or e["origin"] is None:
-        return "unknown"
-    if not facts.has_scaler or (e["origin_nan"] and not e["origin_inf"]):
+def _source_cause(facts: Facts, src: dict) -> str:
+    if src["nearest_loss"] and src["nan"] and not src["inf"]:
+        return "forward"            # the loss's own backward gave nan: the loss or the output was not finite
+    if not facts.has_scaler or (src["nan"] and not src["inf"]):
         return "not the loss scale"
-    return "loss scale" if e["edge_gap"] <= 0 else "not the loss scale"
+    return "loss scale" if src["edge_gap"] <= 0 else "not the loss scale"
+
+
+def _cause(e: dict, bad_loss: bool, h) -> str:
+    if bad_loss or e.get("forward_origin"):
+        e["forward_reason"] = "loss" if bad_loss else "output"
+        return "forward"
+    if h is None or not e["sources"]:
+        return "unknown"
+    causes = {x["cause"] for x in e["sources"]}
+    for cause in ("forward", "not the loss scale", "loss scale"):
+        if cause in causes:
+            if cause == "forward":
+                e["forward_reason"] = "output gradient"
+            return cause
 
 
 # ---------------------------------------------------------------------------------------- findings
@@ -114,8 +169,12 @@ def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
     """One error per origin tensor of the non-finite gradients that the loss scale does not explain."""
     groups = {}
     for e in causes:
-        if e["cause"] == "not the loss scale":
-            groups.setdefault(e["origin"], []).append(e)
+        for src in e["sources"]:
+            if src["cause"] == "not the loss scale" and e["cause"] != "forward":
+                groups.setdefault(src["tensor"], []).append(dict(e, origin=src["tensor"], origin_kind=src["kind"],
+                                                                 origin_inf=src["inf"], origin_nan=src["nan"],
+                                                                 next_module=src["next_module"],
+                                                                 edge_gap=src["edge_gap"], spread=src["spread"]))
     out = []
     for origin, entries in groups.items():
         first = entries[0]
@@ -158,7 +217,8 @@ def _step_line(facts: Facts, e: dict) -> str:
     spread = [f"{n} ({_inf_nan(e['inf'].get(n, 0), e['nan'].get(n, 0))})" for n in e["spread"]]
     edge = facts.edge_exponent()
     gap = e["edge_gap"]
-    reach = "no finite gradient" if gap == float("inf") else f"the finite scaled gradients reach 2^{edge - gap:g}"
+    reach = (f"{e['origin']} has no finite value" if gap == float("inf") else
+             f"its finite scaled values reach 2^{edge - gap + 1:g}")
     return (f"step {e['step']} (rank {e['rank']}, loss scale {scale_text(e['loss_scale'])}, "
             f"{'skipped' if e['skipped'] else 'applied'}): {e['origin']} holds "
             f"{_inf_nan(e['origin_inf'], e['origin_nan'])}" + (f", then {names_text(spread, 4)}" if spread else "")
@@ -188,11 +248,18 @@ def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
         steps = sorted({e["step"] for e in lost})
         hint = ("" if facts.output_rows else
                 " Record the forward outputs (Recorder(..., outputs=True)) to name the layer that overflowed.")
+        by_grad = [e for e in lost if e["forward_reason"] == "output gradient"]
+        what = ("the loss was not finite" if not by_grad else
+                f"the gradient of the model's output ({by_grad[0]['origin']}) was nan, so the loss or the output "
+                f"was not finite")
         out.append(finding(
-            "forward_overflow", "error", f"the loss was not finite at {_n_steps(steps)}: the forward pass "
-            f"overflowed or produced nan", steps=steps, ranks=sorted({e["rank"] for e in lost}),
-            evidence={"steps": steps, "loss": [e["loss"] for e in lost[:20]]},
-            details=[f"step {e['step']} (rank {e['rank']}): loss {e['loss']:g}" for e in lost[:3]],
+            "forward_overflow", "error", f"{what} at {_n_steps(steps)}: the forward pass overflowed or produced "
+            f"nan", steps=steps, ranks=sorted({e["rank"] for e in lost}),
+            evidence={"steps": steps, "loss": [e["loss"] for e in lost[:20]],
+                      "reasons": sorted({e["forward_reason"] for e in lost})},
+            details=[f"step {e['step']} (rank {e['rank']}): loss {e['loss']:g}"
+                     + (f", {e['origin']} holds {_inf_nan(e['origin_inf'], e['origin_nan'])}"
+                        if e["forward_reason"] == "output gradient" else "") for e in lost[:3]],
             recommendation="No loss scale fixes this: the loss scale multiplies the backward pass only. Run the op "
                            "that overflows in bf16 or fp32 (bf16 autocast, or autocast(enabled=False) around it "
                            "with its inputs cast to float32)." + hint))

@@ -35,7 +35,7 @@ class _Scales:
         runs = streaks(self.skipped)
         self.burst = None
         if runs and runs[0][0] == 0 and runs[0][1] < run.n_steps and self.next[runs[0][1] - 1] >= 1 and all(
-                self._cause(p) in ("loss scale", "unknown") for p in range(*runs[0])):
+                self._by_scale(p) for p in range(*runs[0])):
             self.burst = runs[0]
         self.collapses = [s for s in runs if s != self.burst and (s[1] - s[0] >= COLLAPSE_STREAK
                                                                  or self.next[s[0]:s[1]].min() < 1)]
@@ -48,6 +48,11 @@ class _Scales:
     def _cause(self, p: int) -> str:
         e = self.cause.get(int(self.run.steps[p]))
         return e["cause"] if e else "unknown"
+
+    def _by_scale(self, p: int) -> bool:
+        """The step at position p overflowed because of the scale (or nothing says otherwise)."""
+        e = self.cause.get(int(self.run.steps[p]))
+        return e is None or e["cause"] == "unknown" or e["scale_overflow"]
 
     @property
     def trace(self) -> np.ndarray:
@@ -197,7 +202,7 @@ def _collapse_finding(sc: _Scales, span: tuple[int, int]) -> dict:
 
 def _frequent_finding(sc: _Scales):
     run, g = sc.run, sc.policy.growth_interval
-    counted = [p for p in np.flatnonzero(sc.skipped & sc.steady) if sc._cause(p) in ("loss scale", "unknown")]
+    counted = [p for p in np.flatnonzero(sc.skipped & sc.steady) if sc._by_scale(p)]
     n_steady = int(sc.steady.sum())
     allowed = n_steady // (g + 1) + 1
     if len(counted) < 2 or len(counted) <= allowed:

@@ -1,0 +1,404 @@
+"""ampviz.doctor against planted faults in real training loops (real GradScaler, real schedulers, real
+autocast): each fault is found, named and counted as the loop itself observed it; a healthy run is clean."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampviz
+from ampviz import histogram as H
+from ampviz.cli import main
+from ampviz.doctor import CAUSES, CHECKS, SEVERITIES, as_text, diagnose
+
+FP16 = torch.float16
+
+
+class _Poison(torch.autograd.Function):
+    """Identity forward; backward writes ``value`` into the first element of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        ctx.value = value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.value is None:
+            return grad, None
+        grad = grad.clone()
+        grad.view(-1)[0] = ctx.value
+        return grad, None
+
+
+class Poison(nn.Module):
+    """Placed right after a layer: an inf/nan planted into the gradient of that layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.value = None
+
+    def forward(self, x):
+        return _Poison.apply(x, self.value)
+
+
+class SqrtWhere(nn.Module):
+    """sqrt where positive, else 0: finite forward, but the masked lanes' gradient is 0 * inf = nan."""
+
+    def forward(self, x):
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))
+
+
+def mlp(depth=4, width=32, poison_after=None, act=nn.ReLU, seed=0):
+    """fc0, act0, fc1, ... head: a Poison module after fc{poison_after} if given."""
+    torch.manual_seed(seed)
+    layers, d = OrderedDict(), 16
+    for i in range(depth):
+        layers[f"fc{i}"] = nn.Linear(d, width)
+        if i == poison_after:
+            layers["poison"] = Poison()
+        layers[f"act{i}"] = act()
+        d = width
+    layers["head"] = nn.Linear(d, 4)
+    return nn.Sequential(layers)
+
+
+def train(model, steps=24, dtype=FP16, scaler_kw=None, poison_at=(), poison_value=float("inf"),
+          loss_mul=lambda step: 1.0, scheduler=None, scheduler_on_skips=True, **recorder_kw):
+    """A plain AMP loop, recorded; returns (run, what the loop observed: skipped steps, scheduler epochs)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", **scaler_kw) if scaler_kw is not None else None
+    sched = scheduler(opt) if scheduler else None
+    gen = torch.Generator().manual_seed(1)
+    seen = {"skipped": [], "last_epoch": [], "loss": []}
+    with ampviz.Recorder(model, opt, scaler=scaler, **recorder_kw) as rec:
+        for step in range(steps):
+            x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+            for m in model.modules():
+                if isinstance(m, Poison):
+                    m.value = poison_value if step in poison_at else None
+            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y) * loss_mul(step)
+            if scaler is not None:
+                before = scaler.get_scale()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                skipped = scaler.get_scale() < before
+            else:
+                loss.backward()
+                opt.step()
+                skipped = False
+            if sched is not None and (scheduler_on_skips or not skipped):
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            rec.step(loss)
+            seen["skipped"].append(skipped)
+            seen["loss"].append(float(loss.detach()))
+            seen["last_epoch"].append(sched.last_epoch if sched else -1)
+    return rec.run, seen
+
+
+def by_check(diagnosis, check):
+    return [f for f in diagnosis["findings"] if f["check"] == check]
+
+
+def only(diagnosis, check):
+    found = by_check(diagnosis, check)
+    assert len(found) == 1, as_text(diagnosis)
+    return found[0]
+
+
+def leading_run(flags) -> int:
+    n = 0
+    while n < len(flags) and flags[n]:
+        n += 1
+    return n
+
+
+def assert_plain(value):
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) for k in value)
+        for v in value.values():
+            assert_plain(v)
+    elif isinstance(value, list):
+        for v in value:
+            assert_plain(v)
+    else:
+        assert value is None or type(value) in (str, int, float, bool), type(value)
+
+
+# ---------------------------------------------------------------------------------------- clean runs
+def test_a_clean_fp16_run_gives_no_finding_and_says_it_is_clean(capsys, tmp_path):
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 10))
+    assert not any(seen["skipped"])
+    d = run.diagnose()
+    assert d["clean"] and d["findings"] == [], as_text(d)
+    assert_plain(d)
+    json.dumps(d, allow_nan=False)
+    run.save(tmp_path / "clean.npz")
+    assert main(["doctor", str(tmp_path / "clean.npz")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"{tmp_path / 'clean.npz'}: clean: no findings"
+
+
+def test_growth_probes_of_a_healthy_gradscaler_are_not_findings():
+    """GradScaler grows every growth_interval steps and overflows at the new scale: a saw-tooth."""
+    run, seen = train(mlp(), steps=60, scaler_kw=dict(init_scale=2.0 ** 10, growth_interval=3))
+    assert sum(seen["skipped"]) >= 3                                  # it did reach the edge and skip
+    d = diagnose(run)
+    assert d["clean"], as_text(d)
+    skips = [e for e in d["nonfinite_steps"] if e["skipped"]]
+    assert len(skips) == sum(seen["skipped"]) and {e["cause"] for e in skips} == {"loss scale"}
+    assert "ordinary loss-scale overflows" in as_text(d)
+
+
+# ---------------------------------------------------------------------------------------- item 1
+@pytest.mark.parametrize("k", [0, 2])
+def test_an_inf_injected_at_a_layers_gradient_is_traced_to_that_layer(k):
+    run, seen = train(mlp(poison_after=k), scaler_kw=dict(init_scale=2.0 ** 10), poison_at={7})
+    assert np.flatnonzero(seen["skipped"]).tolist() == [7]           # the real GradScaler skipped it
+    d = run.diagnose()
+    f = only(d, "nonfinite_gradient")
+    assert f["severity"] == "error" and f["steps"] == [7]
+    assert f["evidence"]["origin"] == f"fc{k}" and f["tensors"][0] == f"fc{k}"
+    # it spread only towards the input: nothing downstream of fc{k} (closer to the loss) is named
+    downstream = {f"fc{i}" for i in range(k + 1, 4)} | {"head", "head.weight", "head.bias"}
+    assert not downstream & set(f["tensors"])
+    assert f"fc{k}.weight" in f["tensors"]
+    step = f["evidence"]["per_step"][0]
+    assert step["inf"][f"fc{k}"] == 1 and step["skipped"]
+    assert "fc" in f["recommendation"] and "detect_anomaly" in f["recommendation"]
+    assert [e["cause"] for e in d["nonfinite_steps"]] == ["not the loss scale"]
+
+
+def test_an_inf_applied_without_a_scaler_is_an_error_that_says_the_optimizer_took_it():
+    run, seen = train(mlp(poison_after=1), dtype=torch.bfloat16, poison_at={3}, steps=6)
+    f = only(run.diagnose(), "nonfinite_gradient")
+    assert f["evidence"]["origin"] == "fc1" and f["evidence"]["applied_steps"] == [3]
+    assert any("applied" in line for line in f["details"])
+
+
+# ---------------------------------------------------------------------------------------- item 3
+def test_too_high_init_scale_is_reported_with_the_number_of_skipped_steps():
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=30)
+    burst = leading_run(seen["skipped"])
+    assert burst > 5
+    d = run.diagnose()
+    f = only(d, "init_scale_too_high")
+    assert f["severity"] == "info" and f["evidence"]["skipped_at_start"] == burst
+    assert f["steps"] == list(range(burst))
+    assert f["evidence"]["settled_scale"] == run.next_scale[0, burst - 1]
+    assert "harmless" in f["summary"].lower()
+    assert f"init_scale={f['evidence']['settled_scale']:g}" in f["recommendation"]
+    replayed = next(iter(f["evidence"]["replays"].values()))
+    assert replayed["skipped"] < burst                                 # starting where it settled skips fewer
+    assert not by_check(d, "scale_collapse") and not by_check(d, "nonfinite_gradient")
+
+
+def test_a_collapsing_scale_is_reported_with_its_count_and_its_cause():
+    run, seen = train(mlp(poison_after=1), scaler_kw=dict(init_scale=2.0 ** 10), poison_at=set(range(8, 30)),
+                      poison_value=float("nan"), steps=30)
+    assert np.flatnonzero(seen["skipped"]).tolist() == list(range(8, 30))
+    d = run.diagnose()
+    f = only(d, "scale_collapse")
+    assert f["severity"] == "error" and f["evidence"]["skipped"] == 22 and f["steps"] == list(range(8, 30))
+    assert f["evidence"]["lowest_scale"] == 2.0 ** (10 - 22) and "below 1" in f["summary"]
+    assert f["evidence"]["causes"] == {"not the loss scale": 22} and f["tensors"] == ["fc1"]
+    # no scaler policy avoids non-finite gradients: every replay skips all of them (or stops the run)
+    for label, rep in f["evidence"]["replays"].items():
+        assert rep["skipped"] == 22 or rep["crashed_at"] is not None, label
+    assert only(d, "nonfinite_gradient")["evidence"]["origin"] == "fc1"
+    assert not by_check(d, "init_scale_too_high")
+
+
+def test_a_nan_gradient_from_the_first_step_collapses_the_scale_and_names_the_op_after_the_layer():
+    run, seen = train(mlp(act=SqrtWhere, depth=3), scaler_kw={}, steps=20)
+    assert all(seen["skipped"])
+    d = run.diagnose()
+    assert only(d, "scale_collapse")["evidence"]["skipped"] == 20
+    f = only(d, "nonfinite_gradient")
+    # the nan is made in the backward of act2 (sqrt at <= 0), i.e. in the gradient of fc2's output
+    assert f["evidence"]["origin"] == "fc2" and f["evidence"]["next_module"] == "head"
+    assert "head" in f["recommendation"]
+
+
+def test_skips_more_frequent_than_the_growth_interval_allows():
+    """The loss doubles every 4 steps: each doubling overflows once more than GradScaler's probes would."""
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 20, growth_interval=1000), steps=40,
+                      loss_mul=lambda step: 2.0 ** (step // 4))
+    burst = leading_run(seen["skipped"])
+    later = int(np.sum(seen["skipped"][burst:]))
+    assert later >= 5
+    f = only(run.diagnose(), "frequent_skips")
+    assert f["evidence"]["skipped"] == later and f["evidence"]["allowed"] == 1
+    assert f["steps"] == (np.flatnonzero(seen["skipped"][burst:]) + burst).tolist()
+
+
+def test_a_scale_growing_without_bound_is_reported():
+    run, seen = train(mlp(), scaler_kw=dict(growth_interval=1), steps=30, loss_mul=lambda step: 1e-12)
+    assert not any(seen["skipped"])
+    f = only(run.diagnose(), "scale_unbounded")
+    assert f["evidence"]["max_scale"] == run.next_scale[0].max() >= 2.0 ** 40
+    assert f["evidence"]["largest_unscaled_gradient"] < 2.0 ** -30
+
+
+def test_ranks_that_disagree_are_an_error_naming_the_step():
+    run, _ = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 10), steps=10)
+    skipped = run.skipped.copy()
+    skipped[0, 4] = True
+    rank1 = dataclasses.replace(run, skipped=skipped, meta=dict(run.meta, ranks=[1], world_size=2))
+    merged = ampviz.Run.merge([dataclasses.replace(run, meta=dict(run.meta, world_size=2)), rank1])
+    f = only(merged.diagnose(), "ranks_disagree")
+    assert f["steps"] == [4] and f["ranks"] == [0, 1]
+    assert f["evidence"]["skipped_per_rank"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------- item 4
+def _with_scheduler_steps(run, seen):
+    """The scheduler's last_epoch after each step, as the loop observed it, attached to the run."""
+    return dataclasses.replace(run, scheduler_steps=np.asarray(seen["last_epoch"], dtype=np.int64)[None],
+                               meta=dict(run.meta, scheduler={"last_epoch_at_start": 0}))
+
+
+def test_a_scheduler_stepping_on_skipped_steps_is_reported_with_the_count():
+    lam = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: min(1.0, (e + 1) / 10))  # noqa: E731
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):   # torch's own hint
+        run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 30), scheduler=lam, steps=24)
+    burst = leading_run(seen["skipped"])
+    assert burst >= 5
+    d = _with_scheduler_steps(run, seen).diagnose()
+    f = only(d, "scheduler_on_skipped")
+    assert f["evidence"]["advanced_on_skipped"] == int(np.sum(seen["skipped"])) and f["steps"][:burst] == list(
+        range(burst))
+    assert f["evidence"]["scheduler_last_epoch"] == 24 and f["evidence"]["optimizer_steps"] == 24 - sum(seen["skipped"])
+
+
+def test_a_scheduler_that_waits_for_real_steps_is_clean():
+    lam = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5)  # noqa: E731
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 30), scheduler=lam, steps=24, scheduler_on_skips=False)
+    d = _with_scheduler_steps(run, seen).diagnose()
+    assert sum(seen["skipped"]) > 0 and not by_check(d, "scheduler_on_skipped")
+
+
+# ---------------------------------------------------------------------------------------- item 2
+def test_a_non_finite_loss_is_a_forward_overflow_and_collapses_the_scale():
+    model = mlp()
+    with torch.no_grad():
+        model.fc2.weight.mul_(1e7)                     # fc2's fp16 outputs exceed 65504 from the first step
+    run, seen = train(model, scaler_kw={}, steps=12)
+    bad = [i for i, v in enumerate(seen["loss"]) if not np.isfinite(v)]
+    assert bad == list(range(12))
+    d = run.diagnose()
+    f = only(d, "forward_overflow")
+    assert f["steps"] == bad and "no loss scale fixes this" in f["recommendation"].lower()
+    collapse = only(d, "scale_collapse")
+    assert collapse["evidence"]["causes"] == {"forward": 12} and "forward" in collapse["recommendation"]
+    assert not by_check(d, "nonfinite_gradient")
+
+
+# ---------------------------------------------------------------------------------------- item 5
+def test_can_i_switch_precision_from_bf16_matches_real_casts():
+    model = mlp()
+    run, _ = train(model, dtype=torch.bfloat16, steps=1, loss_mul=lambda step: 2.0 ** -20)
+    d = run.diagnose()
+    assert d["clean"] and d["run"]["precision"] == "bf16"
+    sw = d["switch"]
+    assert "counterfactual" in sw["caveat"]
+    targets = {t["target"]: t for t in sw["targets"]}
+    static = targets["fp16 (static scale)"]
+    assert static["skipped_steps"] == 0
+    # the static target's flushed share of a weight gradient equals what a real fp16 cast flushes
+    torch.manual_seed(0)
+    fresh = mlp()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(fresh(x), y) * 2.0 ** -20
+    loss.backward()
+    for row in sw["tensors"]:
+        if row["kind"] != "weight":
+            continue
+        grad = dict(fresh.named_parameters())[row["tensor"]].grad
+        real = H.cast_counts(grad, "fp16", scale=2.0 ** static["log2_scale"])
+        nonzero = real["flushed"] + real["subnormal"] + real["normal"] + real["overflow"]
+        assert row["shares"]["fp16 (static scale)"]["flushed"] == pytest.approx(real["flushed"] / nonzero)
+        assert row["shares"]["fp16 (static scale)"]["overflow"] == real["overflow"] == 0
+    # without any scale (a loss scale of 1), these tiny gradients lose values in fp16: the dynamic replay
+    # starts at 2**16 and must lose no more than that
+    assert all(t["shares"]["fp16 (dynamic scaler)"]["overflow"] == 0 for t in sw["tensors"])
+    assert "can I switch precision" in as_text(d)
+
+
+def test_fp16_runs_get_no_switch_table():
+    run, _ = train(mlp(), scaler_kw={}, steps=3)
+    d = run.diagnose()
+    assert d["switch"] is None and any(c["check"] == "can I switch precision" and not c["ran"] for c in d["checks"])
+
+
+# ---------------------------------------------------------------------------------------- where users see it
+def test_every_finding_has_evidence_and_a_recommendation_and_the_cli_prints_one_line_each(tmp_path, capsys):
+    run, _ = train(mlp(poison_after=1), scaler_kw=dict(init_scale=2.0 ** 40), poison_at={20}, steps=26)
+    d = run.diagnose()
+    checks = {f["check"] for f in d["findings"]}
+    assert {"init_scale_too_high", "nonfinite_gradient"} <= checks
+    for f in d["findings"]:
+        assert f["check"] in CHECKS and f["severity"] in SEVERITIES
+        assert f["steps"] and f["details"] and f["evidence"] and len(f["recommendation"]) > 40
+    assert {e["cause"] for e in d["nonfinite_steps"]} <= set(CAUSES)
+    assert [f["severity"] for f in d["findings"]] == sorted((f["severity"] for f in d["findings"]),
+                                                            key=SEVERITIES.index)
+    path = tmp_path / "run.npz"
+    run.save(path)
+    assert main(["doctor", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [line for line in lines if line.startswith("  [")]
+    assert len(heads) == len(d["findings"])
+    assert [h.split("]")[1].split(":")[0].strip() for h in heads] == [f["check"] for f in d["findings"]]
+    assert main(["doctor", str(path), str(path), "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert list(both) == [str(path)] and both[str(path)]["findings"] == json.loads(json.dumps(d))["findings"]
+
+
+def test_doctor_on_a_missing_file_is_one_error_line(capsys, tmp_path):
+    assert main(["doctor", str(tmp_path / "nope.npz")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ampviz: error:")
+
+
+def test_the_report_opens_each_run_with_its_findings(tmp_path):
+    pytest.importorskip("plotly")
+    from ampviz.report import report_html
+    run, _ = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=26)
+    page = report_html([run], labels=["high init"])
+    section = page.split('<h2 id="run0">', 1)[1]
+    assert section.index("<h3>Findings</h3>") < section.index('<table class="summary">')
+    assert "init_scale_too_high" in section.split('<table class="summary">', 1)[0]
+
+
+def test_the_doctor_works_without_plotly(tmp_path):
+    """As after a plain `pip install ampviz`: plotly and the other extras hidden."""
+    run, _ = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=26)
+    run.save(tmp_path / "run.npz")
+    script = r'''
+import importlib.abc, sys
+BLOCKED = {"plotly", "ipywidgets", "anywidget", "sklearn", "tqdm", "jupyterlab", "pandas", "IPython"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Block())
+from ampviz.cli import main
+assert main(["doctor", "run.npz"]) == 0
+assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
+'''
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "[info] init_scale_too_high" in out.stdout
