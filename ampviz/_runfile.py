@@ -38,7 +38,7 @@ ARRAYS = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", 
 OPTIONAL_ARRAYS = ("grad_order", "scheduler_steps")    # written when recorded; files without them still load
 
 _META_BYTES = 64 << 20           # the JSON metadata: names of a few hundred thousand tensors
-_CHUNK = 16 << 20                # inflate this much at a time into the array's own buffer
+_CHUNK = 4 << 20                 # inflate at most this much at a time into the array's own buffer
 _DEFAULT_RUN_BYTES = 2 << 30     # 8x a Recorder's default max_bytes of histograms
 # what each entry may hold (numpy dtype kinds) and the dtype it is loaded as
 _KINDS = {"steps": ("iu", np.int64, "integer step numbers"), "hist_steps": ("iu", np.int64, "integer step numbers"),
@@ -234,8 +234,8 @@ def _read_npy(path: Path, archive, info, name: str, budget, shape, kinds: str, w
             budget[0] -= nbytes
             data = np.empty(nbytes, dtype=np.uint8)
             pos = 0
-            while pos < nbytes:                      # chunks: no second copy of a large array
-                chunk = f.read(min(_CHUNK, nbytes - pos))
+            while pos < nbytes:                      # pieces: no second copy of a large array (read1: no joins)
+                chunk = f.read1(min(_CHUNK, nbytes - pos))
                 if not chunk:
                     raise EOFError(f"{name} ends after {pos} of {nbytes} bytes")
                 data[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)

@@ -52,13 +52,10 @@ def worst_without_scaling(run: Run, format="fp16") -> tuple[float, str | None]:
     (fp16) backward produced them, so values already flushed there are zeros, not counted: for
     them it is a lower bound.
     """
-    worst, name = 0.0, None
-    for r in range(len(run.ranks)):
-        for t in range(len(run.tensor_names)):      # one tensor at a time: no copy of the whole run
-            flushed = H.fate(run.tensor_counts(t, "unscaled", r), format, 1.0).fraction("flushed")
-            if flushed.size and flushed.max() > worst:
-                worst, name = float(flushed.max()), run.tensor_names[t]
-    return worst, name
+    flushed = run.fate_in(format, "unscaled").fraction("flushed")                   # (R, H, T)
+    if not flushed.size or not flushed.max() > 0:
+        return 0.0, None
+    return float(flushed.max()), run.tensor_names[int(np.unravel_index(flushed.argmax(), flushed.shape)[2])]
 
 
 def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:

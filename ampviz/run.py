@@ -37,6 +37,7 @@ from . import _run_checks as checks
 from . import _runfile
 from . import histogram as H
 from ._args import check_choice
+from ._fate_rows import fate_rows
 from ._run_checks import DOMAINS, KINDS
 from ._runfile import SCHEMA_VERSION, RunFileError
 from ._warnings import AmpvizWarning
@@ -233,9 +234,24 @@ class Run:
                        scheduler_steps=sched)
 
     # ------------------------------------------------------------------ summaries
+    def fate_in(self, format, domain: str = "scaled") -> H.Fate:
+        """What a cast to ``format`` does to every tensor's values in ``domain``: a Fate of (R, H, T) counts.
+
+        Equal to ``histogram.fate(counts_in(domain), format, 1.0)`` but without the copy: each row is
+        judged at the log2 scale that moves it into ``domain`` (values below 2**-126 are judged by that
+        scale too, not merged into "below"), in one pass over the counts.
+        """
+        check_choice("domain", domain, VIEWS)
+        R, Hn, T = self.counts.shape[:3]
+        signs = np.array([self._shift_sign(t, domain) for t in range(T)], dtype=np.int64)       # (T,)
+        log2s = self.log2_scales() if (signs != 0).any() else np.zeros((R, Hn), np.int64)      # (R, H)
+        shifts = (log2s[:, :, None] * signs[None, None, :]).reshape(-1)                      # (R * H * T,)
+        fields = fate_rows(self.counts.reshape(-1, H.NBINS), format, shifts)
+        return H.Fate(**{f: v.reshape(R, Hn, T) for f, v in fields.items()})
+
     def summary(self, format="fp16") -> dict:
         """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``)."""
-        fate = H.fate(self.counts_in("scaled"), format, 1.0)
+        fate = self.fate_in(format, "scaled")
         flushed, overflow = fate.fraction("flushed"), fate.fraction("overflow")     # (R, H, T)
         wu, wo = self._worst(flushed), self._worst(overflow)
         return {"steps": self.n_steps, "ranks": self.ranks, "histogram_steps": int(self.hist_steps.size),
@@ -336,7 +352,9 @@ class Run:
             if any(getattr(r, name) is None for r in runs):
                 return None                                   # an optional array some rank lacks
             wanted = steps if attr == "steps" else hist_steps
-            return np.concatenate([getattr(r, name)[:, np.searchsorted(getattr(r, attr), wanted)] for r in runs])
+            parts = [getattr(r, name) if np.array_equal(getattr(r, attr), wanted)       # aligned: a view
+                     else getattr(r, name)[:, np.searchsorted(getattr(r, attr), wanted)] for r in runs]
+            return np.concatenate(parts)                      # the one copy
         meta = dict(first.meta, ranks=ranks)
         everies = [r.meta.get("every") for r in runs]
         if all(checks.is_int(e) for e in everies):
@@ -412,5 +430,5 @@ class Run:
     def diagnose(self) -> dict:
         """The doctor's findings on this run, as plain data (dicts, lists, str, int, float, bool, None):
         what went wrong, the evidence (steps, tensors, values) and what to do. See :mod:`ampviz.doctor`."""
-        from .doctor import diagnose       # lazily: ampviz.doctor imports this module
+        from .doctor import diagnose  # lazily: ampviz.doctor imports this module
         return diagnose(self)

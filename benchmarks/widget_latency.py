@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import time
@@ -31,37 +32,55 @@ from ampviz.scaler import TorchPolicy, replay
 from ampviz.widgets import RunDashboard, ScaleExplorer, ScalerPlayground
 
 BUDGET_MS = 50.0
+RECORDER_MAX_BYTES = 256 << 20          # Recorder's default bound on the histograms kept per rank
 
 
-def synthetic_run(steps: int, tensors: int, ranks: int, seed: int = 0) -> Run:
-    """Bell-shaped binade histograms whose centres drift per tensor and step, with a few inf steps."""
+def recorder_every(steps: int, tensors: int, max_bytes: int = RECORDER_MAX_BYTES) -> int:
+    """The histogram interval a Recorder ends at after ``steps`` steps: ``every`` doubles (decimation)
+    while the histograms would exceed ``max_bytes`` (257 int64 bins per tensor per recorded step)."""
+    every = 1
+    while math.ceil(steps / every) * tensors * H.NBINS * 8 > max_bytes:
+        every *= 2
+    return every
+
+
+def synthetic_run(steps: int, tensors: int, ranks: int, seed: int = 0, hist_every: int = 1) -> Run:
+    """Bell-shaped binade histograms whose centres drift per tensor and step, with a few inf steps.
+
+    Scalars (loss, loss scale, skipped) for every step; histograms every ``hist_every`` steps, as a
+    Recorder keeps them. Only the histogram steps are ever materialised: (H, T, 257) per rank.
+    """
     rng = np.random.default_rng(seed)
     k = np.arange(H.K_MIN, H.K_MAX + 1)                                  # binade exponents
     kinds = ["weight" if t < tensors // 2 else "activation" for t in range(tensors)]
-    centre = rng.uniform(-30, -8, tensors)[None, :] + np.cumsum(rng.normal(0, 0.05, (steps, tensors)), axis=0)
-    width = rng.uniform(2, 5, tensors)[None, :, None]
-    shape = np.exp(-0.5 * ((k[None, None, :] - centre[:, :, None]) / width) ** 2)     # (steps, tensors, 253)
-    sizes = rng.integers(1_000, 200_000, tensors)[None, :, None]
-    base = np.rint(shape / shape.sum(axis=2, keepdims=True) * sizes).astype(np.int64)
-    trace = np.ldexp(1.0, np.ceil(centre.max(axis=1) + 2 * width.max()).astype(int))   # per-step maxima
+    drift = np.cumsum(rng.normal(0, 0.05, (steps, tensors)).astype(np.float32), axis=0)    # (steps, tensors)
+    centre0, width = rng.uniform(-30, -8, tensors), rng.uniform(2, 5, tensors)
+    trace = np.ldexp(1.0, np.ceil((centre0 + drift).max(axis=1) + 2 * width.max()).astype(int))   # per-step maxima
     trace[rng.random(steps) < 0.01] = np.inf
     r = replay(TorchPolicy(init_scale=2.0 ** 16, growth_interval=100), trace)
     log2s = np.rint(np.log2(r.scale)).astype(np.int64)
-    counts = np.zeros((ranks, steps, tensors, H.NBINS), dtype=np.int64)
-    for rank in range(ranks):
-        counts[rank, :, :, 2:H.ABOVE] = base
-        counts[rank, :, :, H.ZERO] = sizes[0, :, 0] // 20
-        counts[rank, r.skipped, 0, H.ABOVE] = 1                       # the overflowing steps hold an inf
-        for t in range(tensors // 2, tensors):                        # activations: stored scaled
-            counts[rank, :, t] = H.shift(counts[rank, :, t], log2s)
+    hist_steps = np.arange(0, steps, hist_every)
+    sizes = rng.integers(1_000, 200_000, tensors)
+    counts = np.zeros((ranks, hist_steps.size, tensors, H.NBINS), dtype=np.int64)
+    for start in range(0, hist_steps.size, 64):                          # a block of steps at a time: bounded memory
+        rows = hist_steps[start:start + 64]
+        centre = centre0[None, :] + drift[rows]                          # (rows, tensors)
+        shape = np.exp(-0.5 * ((k[None, None, :] - centre[:, :, None]) / width[None, :, None]) ** 2)
+        base = np.rint(shape / shape.sum(axis=2, keepdims=True) * sizes[None, :, None]).astype(np.int64)
+        block = counts[:, start:start + rows.size]                       # (ranks, rows, tensors, NBINS) view
+        block[..., 2:H.ABOVE] = base
+        block[..., H.ZERO] = sizes // 20
+        block[:, r.skipped[rows], 0, H.ABOVE] = 1                         # the overflowing steps hold an inf
+        half = tensors // 2                                              # activations: stored scaled
+        block[:, :, half:] = H.shift(block[:, :, half:], log2s[rows][None, :, None])
     nxt = np.append(r.scale[1:], r.scale[-1])
-    meta = {"world_size": ranks, "ranks": list(range(ranks)), "every": 1,
+    meta = {"world_size": ranks, "ranks": list(range(ranks)), "every": hist_every,
             "domains": {"weight": "unscaled", "activation": "scaled"},
             "scaler": {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100}}
     tile = lambda a: np.repeat(np.asarray(a)[None], ranks, axis=0)     # noqa: E731
     return Run(np.arange(steps), tile(rng.random(steps)), tile(r.scale), tile(nxt), tile(r.skipped),
-               np.arange(steps), counts, [f"layer{t}.{'grad' if kinds[t] == 'weight' else 'out'}" for t in
-                                          range(tensors)], kinds, ["torch.float32"] * tensors, meta)
+               hist_steps, counts, [f"layer{t}.{'grad' if kinds[t] == 'weight' else 'out'}" for t in
+                                    range(tensors)], kinds, ["torch.float32"] * tensors, meta)
 
 
 def timed(set_value, values) -> list:

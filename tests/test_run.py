@@ -189,3 +189,23 @@ def test_optional_arrays_round_trip_select_and_merge(tmp_path):
     assert Run.load(tmp_path / "plain.npz").grad_order is None
     with pytest.raises(RunFileError, match="grad_order has shape"):
         replace(one(0), grad_order=np.zeros((1, N), np.int32))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3fn"])
+@pytest.mark.parametrize("domain", ["scaled", "unscaled", "recorded"])
+def test_fate_in_a_domain_equals_the_fate_of_the_shifted_copy(fmt, domain):
+    run = Run.merge([make_run(rank=0, world=2), make_run(rank=1, world=2, scale_log2=(20, 3, 3, 9, 9, 9))])
+    got, expected = run.fate_in(fmt, domain), H.fate(run.counts_in(domain), fmt, 1.0)
+    for field in ("zero", "flushed", "subnormal", "normal", "overflow", "nan"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(expected, field), err_msg=field)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp8_e4m3fn", "fp8_e5m2"])
+def test_fate_rows_judges_each_row_at_its_own_scale_like_histogram_fate(fmt, rng):
+    from ampviz._fate_rows import fate_rows
+    counts = rng.integers(0, 5, (300, H.NBINS))                       # every column, specials included
+    scales = rng.integers(-140, 140, 300)
+    got = fate_rows(counts, fmt, scales)
+    for i in range(300):
+        expected = H.fate(counts[i], fmt, log2_scale=int(scales[i]))
+        assert {f: int(v[i]) for f, v in got.items()} == {f: int(getattr(expected, f)) for f in got}, (i, scales[i])
