@@ -6,6 +6,7 @@ Usage::
     ampviz doctor RUN [RUN ...] [--json]
     ampviz report RUN [RUN ...] -o report.html [--format fp16] [--title TEXT]
     ampviz demo -o DIR [--steps 300] [--device auto|cpu|cuda] [--seed 0] [--quiet]
+    ampviz export RUN [--tensorboard DIR] [--wandb [--wandb-project NAME]] [--domain recorded] [--quiet]
 
 ``RUN`` is a run file (``.npz``) or a directory of per-rank run files (one DDP run). Errors
 (a missing or foreign file, a bad argument) print one line starting with ``ampviz: error:`` on
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ampviz`` command."""
     p = _Parser(prog="ampviz", description="See what mixed precision does to your gradients.")
     p.add_argument("--version", action="version", version=f"ampviz {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{info,doctor,report,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,doctor,report,demo,export}")
     fmt = dict(choices=list(FORMATS), default="fp16", help="format the fractions refer to (default fp16)")
 
     info = sub.add_parser("info", help="print a concise summary of runs")
@@ -84,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the model and batch order")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=_cmd_demo)
+
+    export = sub.add_parser("export", help="write a run to TensorBoard event files and/or a W&B run")
+    export.add_argument("run", metavar="RUN", help="run file (.npz) or directory of rank files")
+    export.add_argument("--tensorboard", type=Path, metavar="DIR", help="log directory to write event files to")
+    export.add_argument("--wandb", action="store_true", help="log to a new W&B run (WANDB_MODE=offline works)")
+    export.add_argument("--wandb-project", default="ampviz", metavar="NAME", help="W&B project (default ampviz)")
+    export.add_argument("--domain", choices=["recorded", "unscaled", "scaled"], default="recorded",
+                        help="counts as recorded (default), or all unscaled / all scaled")
+    export.add_argument("--quiet", action="store_true", help="no progress bar")
+    export.set_defaults(func=_cmd_export)
     return p
 
 
@@ -204,4 +215,19 @@ def _cmd_demo(args) -> int:
     for label, text in summary_rows(run):
         print(f"  {label:<26}  {text}")
     print(f"wrote {out / 'run.npz'} and {out / 'report.html'}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    if args.tensorboard is None and not args.wandb:
+        return _fail("export: give --tensorboard DIR, --wandb, or both", status=2)
+    from .export import to_tensorboard, to_wandb
+    run = _load(Path(args.run))
+    if args.tensorboard is not None:
+        dirs = to_tensorboard(run, args.tensorboard, domain=args.domain, progress=not args.quiet)
+        where = ", ".join(str(d) for d in dirs)
+        print(f"wrote {run.n_steps} steps to {where} (view: tensorboard --logdir {args.tensorboard})")
+    if args.wandb:
+        target = to_wandb(run, domain=args.domain, project=args.wandb_project, progress=not args.quiet)
+        print(f"logged {run.n_steps} steps to W&B run {target.name or target.id} in project {args.wandb_project}")
     return 0

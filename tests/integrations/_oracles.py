@@ -1,0 +1,106 @@
+"""Independent oracles for the integration tests: numpy's frexp binning of captured tensors, and readers of
+what TensorBoard and W&B wrote (tensorboard's own EventAccumulator; W&B's record protobuf)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from conftest import frexp_columns
+
+import ampviz.histogram as H
+
+
+def binned(*tensors) -> np.ndarray:
+    """(NBINS,) counts of every value of ``tensors``, binned with numpy.frexp (not ampviz's kernels)."""
+    values = np.concatenate([t.detach().float().cpu().numpy().ravel() for t in tensors])
+    return np.bincount(frexp_columns(values), minlength=H.NBINS)
+
+
+def row_from_buckets(limits, counts, zeros, inf, nan) -> np.ndarray:
+    """Rebuild a 257-column row from log2 bucket limits (k + 1 for the binade (2^k, 2^(k+1)]) and the specials."""
+    row = np.zeros(H.NBINS, dtype=np.int64)
+    for limit, count in zip(limits, counts):
+        assert float(limit).is_integer(), limit
+        row[int(limit) + 127] += int(count)
+    row[H.ZERO], row[H.ABOVE], row[H.NAN] = zeros, inf, nan
+    return row
+
+
+def read_tensorboard(log_dir):
+    """tensorboard's own reader over every event file in ``log_dir`` (no size limits)."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    acc = ea.EventAccumulator(str(log_dir), size_guidance={ea.HISTOGRAMS: 0, ea.SCALARS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    return acc
+
+
+def tensorboard_row(acc, prefix, kind, name, step) -> np.ndarray:
+    """The 257-column row of one tensor at one step, as TensorBoard stored it."""
+    def scalar(special):
+        return {e.step: e.value for e in acc.Scalars(f"{prefix}_{special}/{kind}/{name}")}[step]
+    hists = {e.step: e.histogram_value for e in acc.Histograms(f"{prefix}_{kind}/{name}")}
+    limits, counts = (hists[step].bucket_limit, hists[step].bucket) if step in hists else ([], [])
+    return row_from_buckets(limits, counts, scalar("zeros"), scalar("inf"), scalar("nan"))
+
+
+def wandb_history(wandb_dir, timeout: float = 30.0) -> list[dict]:
+    """History rows of the single offline W&B run under ``wandb_dir``, read from its ``.wandb`` file.
+
+    ``run.finish()`` can return before W&B's writer process has written the last records: the file is
+    read again until it holds the run's "exit" record. The file is W&B's LevelDB-log format (a 7-byte
+    header ":W&B" 0xBEE1 version, then 32 KiB blocks of records: crc32 (4), length (2), type (1: full,
+    2: first, 3: middle, 4: last), payload); each payload is a ``wandb_internal_pb2.Record``.
+    """
+    files = sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(_wandb_records(files[0].read_bytes()))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+
+
+def _wandb_records(data: bytes, block: int = 32768):
+    from wandb.proto import wandb_internal_pb2 as pb
+    assert data[:4] == b":W&B"
+    pos, payload = 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:                                  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 or pos + 7 + length > len(data):  # zero padding, or a record still being written
+            return
+        payload += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(payload)
+            payload = b""
+            yield record
+
+
+def wandb_row(history_row, prefix, kind, name) -> np.ndarray:
+    """The 257-column row of one tensor in one W&B history row."""
+    key = f"{prefix}_{kind}/{name}"
+    if f"{key}/bins" in history_row:
+        edges, counts = history_row[f"{key}/bins"], history_row[f"{key}/values"]
+        limits = edges[1:]
+    else:
+        limits, counts = [], []
+    specials = (history_row[f"{prefix}_{s}/{kind}/{name}"] for s in ("zeros", "inf", "nan"))
+    return row_from_buckets(limits, counts, *specials)
+
+
+def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
