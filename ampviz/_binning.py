@@ -2,8 +2,10 @@
 
 A key is the histogram column of one value: ``((bits(|x|) - 1) >> 23) + 1`` on the fp32 bit
 pattern gives 0 for zeros, 1 for 0 < |x| <= 2**-126, k + 128 for 2**k < |x| <= 2**(k+1),
-255 above 2**127 (inf included) and 256 for nan: ``NBINS`` = 257 columns. Keys of many tensors,
-offset by ``row * NBINS``, share one flat buffer and one count::
+255 above 2**127 (inf included) and 256 for nan: ``NBINS`` = 257 columns. fp16, bf16 and fp8 are
+exact in fp32; fp64 gets its own exact key from its 64 bits (values below fp32's range go to
+column 1, above it to 255). A complex tensor is counted by ``|z|``. Keys of many tensors, offset by
+``row * NBINS``, share one flat buffer and one count::
 
     counts = torch.zeros(2, NBINS, dtype=torch.int64)
     b = Binner("cpu")
@@ -17,9 +19,37 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["NBINS", "Binner", "group_offsets"]
+__all__ = ["NBINS", "Binner", "group_offsets", "prepare", "dense_flat"]
 
 NBINS = 257
+_SMALL = 1 << 16          # tensors below this many elements are keyed together (per-op overhead dominates)
+
+
+def prepare(x: torch.Tensor) -> torch.Tensor:
+    """The values a histogram counts: detached; a sparse tensor's stored values; a DTensor's local
+    shard (FSDP2: counts of the shards add up over ranks to the full tensor's); ``|z|`` of a complex one."""
+    if type(x) is not torch.Tensor and hasattr(x, "to_local"):
+        x = x.to_local()
+    x = x.detach()
+    if x.is_sparse:
+        x = x.coalesce().values()          # only stored values are counted
+    if x.is_complex():
+        x = x.abs()                        # magnitudes: |3e-30 + 4j| = 4
+    return x
+
+
+def dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 1-D tensor, a view whenever its elements fill a block of memory in any order
+    (a transposed gradient, say): a histogram does not care about the order."""
+    if x.is_contiguous():
+        return x.view(-1)
+    dims = sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return x.reshape(-1)           # overlapping or gapped: a copy
+        expected *= size
+    return x.as_strided((x.numel(),), (1,))
 
 
 class Binner:
@@ -43,17 +73,36 @@ class Binner:
         self.target: torch.Tensor | None = None
         self.threads = max(1, torch.get_num_threads() if threads is None else int(threads))
         self._pool = None
+        self._offsets: dict = {}          # group offsets per (row, size) layout: the same every step
 
     def add(self, x: torch.Tensor, row: int) -> None:
-        """Append the keys of every element of ``x`` to the buffer, for counts row ``row``."""
-        if x.is_sparse:
-            x = x.coalesce().values()          # only stored values are counted
-        flat = x.detach().reshape(-1)
+        """Append the keys of every element of ``x`` (complex: ``|x|``) to the buffer, for counts row ``row``."""
+        flat = dense_flat(prepare(x))
         start = 0
         while start < flat.numel():
             n = self._reserve(flat.numel() - start)
             self._write_keys(flat[start:start + n], self._keys(n), row * NBINS + 1)
             start += n
+
+    def add_many(self, tensors: list, rows: list) -> None:
+        """Append the keys of several tensors, one row each; small dense float32 ones in one set of ops."""
+        small = [(t, r) for t, r in zip(tensors, rows)
+                 if t.numel() < _SMALL and type(t) is torch.Tensor and t.dtype == torch.float32
+                 and t.layout == torch.strided and t.device == self.device]
+        if len(small) < 2:
+            small = []
+        grouped = {id(t) for t, _ in small}
+        for t, r in zip(tensors, rows):
+            if id(t) not in grouped:
+                self.add(t, r)
+        if small:
+            key = tuple((r, t.numel()) for t, r in small)
+            offsets = self._offsets.get(key)
+            if offsets is None:
+                if len(self._offsets) > 64:
+                    self._offsets.clear()
+                offsets = self._offsets[key] = group_offsets([n for _, n in key], [r for r, _ in key], self.device)
+            self.add_group([t for t, _ in small], [r for _, r in small], offsets)
 
     def add_group(self, tensors: list, rows: list, offsets: torch.Tensor) -> None:
         """Append the keys of several float32 tensors at once (one set of ops instead of one per tensor).
@@ -90,8 +139,10 @@ class Binner:
         elif chunk.dtype == torch.bfloat16:        # bf16 is fp32's top half: (m16 - 1) >> 7, same key
             torch.bitwise_and(chunk.view(torch.int16), 0x7FFF, out=keys)   # reads 2 bytes, stores 4
             keys.sub_(1).bitwise_right_shift_(7)
-        else:                                      # fp16, fp8, fp64: convert to fp32 first
-            keys.view(torch.float32).copy_(chunk)  # exact for fp16/fp8; fp64 is rounded
+        elif chunk.dtype == torch.float64:         # exact, from the 64 bits (no rounding to fp32)
+            keys.copy_(_fp64_columns(chunk).sub_(1))
+        else:                                      # fp16, fp8: exact in fp32
+            keys.view(torch.float32).copy_(chunk)
             keys.bitwise_and_(0x7FFFFFFF).sub_(1).bitwise_right_shift_(23)
         keys.add_(offset)
         self._fill += chunk.numel()
@@ -146,3 +197,11 @@ def _count_cpu(keys: torch.Tensor, target: torch.Tensor) -> None:
 def _count_index_add(keys: torch.Tensor, target: torch.Tensor) -> None:
     # no bincount on CUDA: it reads the max key back to the host to size its output (a sync)
     target.index_add_(0, keys, torch.ones((), dtype=target.dtype, device=keys.device).expand(keys.numel()))
+
+
+def _fp64_columns(x: torch.Tensor) -> torch.Tensor:
+    """Column of every fp64 value: binade k = ((bits(|x|) - 1) >> 52) - 1023, clamped to "below" / "above"."""
+    a = x.view(torch.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
+    col = a.sub(1).bitwise_right_shift_(52).sub_(1023 - 128).clamp_(1, NBINS - 2)
+    col.masked_fill_(a == 0, 0)
+    return col.masked_fill_(a > 0x7FF0000000000000, NBINS - 1)

@@ -2,35 +2,45 @@
 
 The torch path (``ampviz._binning.Binner``) needs four elementwise passes to build keys plus a
 ``bincount`` that reads them three more times; on a CPU that is memory-bound, and that is the
-whole cost of recording. These kernels read the bits of each value once and count it in a
-private sub-histogram (four per thread, so repeated columns do not serialise on one counter).
-The column of a value is the same formula as the torch path (see ``ampviz/_binner.py``)::
+whole cost of recording. These kernels read the bits of each value once and count it in one of
+eight private sub-histograms (so repeated columns do not serialise on one counter). The column of
+a value is the formula of ``ampviz._binning`` (fp64 gets its own, exact one)::
 
     counter = NumbaCounter()
     counter.target = counts.view(-1)        # int64, rows * NBINS, on the CPU
     counter.add(grad, row)                  # counted now, no buffer
+    counter.add_many([g1, g2], [0, 1])      # several tensors, split over threads when large
+
+Threads: the kernels are serial and release the GIL; large work is split over at most
+``torch.get_num_threads()`` Python threads (the caller's and a small pool). numba's own parallel
+runtime is never started: it shares OpenMP with torch and would change ``torch.get_num_threads()``
+for the whole process. Counting runs while torch waits for it (inside a hook), so it never uses
+more threads than the user gave torch.
 
 When numba cannot be imported, :func:`available` is False and ampviz uses the torch path.
 """
 
 from __future__ import annotations
 
-import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from ._binning import NBINS
+from ._binning import NBINS, dense_flat, prepare
 
 try:
-    from numba import get_num_threads, njit, prange
+    from numba import njit
 except ImportError:                                   # pragma: no cover - depends on the platform
     njit = None
 
 __all__ = ["available", "NumbaCounter", "make_counter"]
 
-_PARALLEL_MIN = 1 << 20      # below this many values one thread is as fast as a parallel region
-_LANES = 4                   # sub-histograms per thread: breaks the dependency on a repeated column
+_SPLIT_MIN = 1 << 18         # below this many values one thread is faster than a hand-off (~50 us)
+_MAX_THREADS = 8             # beyond this the memory bus, not the cores, limits counting
+_LANES = 8                   # private sub-histograms: a repeated column does not wait for the last add
+_PIECE = 1 << 30             # values per pass, so a uint32 lane counter (<= _PIECE / _LANES) never wraps
 
 
 def available() -> bool:
@@ -38,102 +48,168 @@ def available() -> bool:
 
 
 if njit is not None:
-    @njit(cache=True, nogil=True)
-    def _col32(v):
+    # one column function per kind of bit pattern; _count is compiled once per function (no branch per value)
+    @njit(cache=True, nogil=True, inline="always")
+    def _col_fp32(v, lut):                            # ((bits(|x|) - 1) >> 23) + 1, see ampviz._binning
         return (((v & 0x7FFFFFFF) - 1) >> 23) + 1
 
-    @njit(cache=True, nogil=True)
-    def _col_bf16(v):
+    @njit(cache=True, nogil=True, inline="always")
+    def _col_bf16(v, lut):                            # bf16 is fp32's top half: the same formula on 16 bits
         return (((v & 0x7FFF) - 1) >> 7) + 1
 
-    @njit(cache=True, nogil=True)
-    def _col(v, kind, lut):
-        if kind == 0:
-            return _col32(v)
-        if kind == 1:
-            return _col_bf16(v)
+    @njit(cache=True, nogil=True, inline="always")
+    def _col_fp16(v, lut):                            # fp16 -> fp32 is exact: a table of its 2**15 magnitudes
         return lut[v & 0x7FFF]
 
-    @njit(cache=True, nogil=True)
-    def _count_range(bits, lo, hi, kind, lut, loc):
-        """Count bits[lo:hi] into loc (LANES, NBINS); kind 0 fp32, 1 bf16, 2 fp16 (via lut)."""
-        i = lo
-        while i + _LANES <= hi:             # four values in flight, four private counters
-            for j in range(_LANES):
-                loc[j, _col(bits[i + j], kind, lut)] += 1
-            i += _LANES
-        while i < hi:
-            loc[0, _col(bits[i], kind, lut)] += 1
-            i += 1
+    @njit(cache=True, nogil=True, inline="always")
+    def _col_fp64(v, lut):                            # exactly: binade k = ((bits(|x|) - 1) >> 52) - 1023
+        a = v & 0x7FFFFFFFFFFFFFFF
+        if a == 0:
+            return 0
+        if a > 0x7FF0000000000000:                    # nan
+            return NBINS - 1
+        col = ((a - 1) >> 52) - 1023 + 128
+        return 1 if col < 2 else (NBINS - 2 if col > NBINS - 3 else col)   # below / above fp32's range
 
     @njit(cache=True, nogil=True)
-    def _hist_serial(bits, kind, lut, out):
-        loc = np.zeros((_LANES, NBINS), np.int64)
-        _count_range(bits, 0, bits.size, kind, lut, loc)
-        for j in range(_LANES):
-            for b in range(NBINS):
-                out[b] += loc[j, b]
-
-    @njit(parallel=True, cache=True, nogil=True)
-    def _hist_parallel(bits, kind, lut, out, nt):
+    def _count(column, bits, lut, out):
+        """Add ``column(value)`` of every value of ``bits`` (1-D) to ``out`` (NBINS,) int64."""
+        loc = np.zeros((_LANES, NBINS), np.uint32)
         n = bits.size
-        loc = np.zeros((nt, _LANES, NBINS), np.int64)
-        chunk = (n + nt - 1) // nt
-        for t in prange(nt):
-            _count_range(bits, t * chunk, min(n, (t + 1) * chunk), kind, lut, loc[t])
-        for t in range(nt):
+        for start in range(0, n, _PIECE):
+            stop = min(n, start + _PIECE)
+            i = start
+            while i + _LANES <= stop:                 # eight values in flight, eight private counters
+                for j in range(_LANES):
+                    loc[j, column(bits[i + j], lut)] += 1
+                i += _LANES
+            while i < stop:
+                loc[0, column(bits[i], lut)] += 1
+                i += 1
             for j in range(_LANES):
                 for b in range(NBINS):
-                    out[b] += loc[t, j, b]
+                    out[b] += loc[j, b]
+                    loc[j, b] = 0
 
 
 def _fp16_lut() -> np.ndarray:
     """Column of every fp16 magnitude bit pattern (exact: fp16 -> fp32 is exact)."""
     pats = torch.arange(1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     m = pats.view(torch.int32)
-    return (((m - 1) >> 23) + 1).numpy().astype(np.int64)
+    return (((m - 1) >> 23) + 1).numpy().astype(np.uint16)      # 64 KiB: stays in cache
 
 
 _LUT16 = _fp16_lut()
-_NO_LUT = np.zeros(1, np.int64)
+_NO_LUT = np.zeros(1, np.uint16)
+
+
+def _bits(x: torch.Tensor):
+    """(bit patterns as a 1-D numpy array, their column function, its table) of a CPU tensor (no copy if dense)."""
+    flat = dense_flat(x)
+    if flat.dtype == torch.float32:
+        return flat.view(torch.int32).numpy(), _col_fp32, _NO_LUT
+    if flat.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy(), _col_bf16, _NO_LUT
+    if flat.dtype == torch.float16:
+        return flat.view(torch.int16).numpy(), _col_fp16, _LUT16
+    if flat.dtype == torch.float64:
+        return flat.view(torch.int64).numpy(), _col_fp64, _NO_LUT
+    return flat.float().view(torch.int32).numpy(), _col_fp32, _NO_LUT     # fp8: exact in fp32
 
 
 class NumbaCounter:
-    """Drop-in for ``Binner`` on the CPU: ``add`` counts immediately into ``target``."""
+    """Drop-in for ``Binner`` on the CPU: ``add`` counts immediately into ``target``.
+
+    ``threads`` caps the threads one count may use (default: ``torch.get_num_threads()``, read at
+    each count, at most 8).
+    """
 
     def __init__(self, threads: int | None = None):
         if njit is None:
             raise RuntimeError("NumbaCounter needs numba")
-        self.threads = max(1, min(get_num_threads(), 8) if threads is None else int(threads))
-        self.target: torch.Tensor | None = None
+        self._threads = None if threads is None else max(1, int(threads))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._target: torch.Tensor | None = None
+        self._target_np: np.ndarray | None = None
+
+    @property
+    def target(self) -> torch.Tensor | None:
+        return self._target
+
+    @target.setter
+    def target(self, counts: torch.Tensor | None) -> None:
+        self._target = counts
+        self._target_np = None if counts is None else counts.numpy()
+
+    def threads(self) -> int:
+        return self._threads if self._threads is not None else max(1, min(torch.get_num_threads(), _MAX_THREADS))
+
+    def _row(self, row: int) -> np.ndarray:
+        if self._target_np is None:
+            raise RuntimeError("NumbaCounter: no target counts tensor set")
+        return self._target_np[row * NBINS:(row + 1) * NBINS]
 
     def add(self, x: torch.Tensor, row: int) -> None:
-        """Count every element of ``x`` into row ``row`` of ``target``."""
-        if self.target is None:
-            raise RuntimeError("NumbaCounter.add: no target counts tensor set")
-        if x.is_sparse:
-            x = x.coalesce().values()          # only stored values are counted
-        flat = x.detach().reshape(-1)
-        if flat.dtype == torch.float32:
-            bits, kind, lut = flat.view(torch.int32).numpy(), 0, _NO_LUT
-        elif flat.dtype == torch.bfloat16:
-            bits, kind, lut = flat.view(torch.int16).numpy(), 1, _NO_LUT
-        elif flat.dtype == torch.float16:
-            bits, kind, lut = flat.view(torch.int16).numpy(), 2, _LUT16
-        else:                                  # fp64 (rounded), fp8 (exact): via fp32
-            bits, kind, lut = flat.float().view(torch.int32).numpy(), 0, _NO_LUT
-        out = self.target.numpy()[row * NBINS:(row + 1) * NBINS]
-        # numba's default thread pool must not be entered from two threads at once: only the main
-        # thread (where CPU backward hooks run) uses it
-        if bits.size >= _PARALLEL_MIN and self.threads > 1 and threading.current_thread() is threading.main_thread():
-            _hist_parallel(bits, kind, lut, out, self.threads)
+        """Count every element of ``x`` (complex: ``|x|``) into row ``row`` of ``target``."""
+        out = self._row(row)
+        bits, column, lut = _bits(prepare(x))
+        threads = self.threads()
+        if bits.size >= _SPLIT_MIN and threads > 1:
+            self._parallel([(bits[lo:hi], column, lut, out) for lo, hi in _spans(bits.size, threads)], threads)
         elif bits.size:
-            _hist_serial(bits, kind, lut, out)
+            _count(column, bits, lut, out)
+
+    def add_many(self, tensors: list, rows: list) -> None:
+        """Count several tensors, one row each; large totals are split over threads in one hand-off."""
+        jobs = []
+        for x, r in zip(tensors, rows):
+            bits, column, lut = _bits(prepare(x))
+            if bits.size:
+                jobs.append((bits, column, lut, self._row(r)))
+        total = sum(j[0].size for j in jobs)
+        threads = self.threads()
+        if total < _SPLIT_MIN or threads == 1:
+            for bits, column, lut, out in jobs:
+                _count(column, bits, lut, out)
+            return
+        # equal shares of the concatenated values; a tensor cut between two shares is counted in pieces
+        pieces, share = [], -(-total // threads)
+        pos = 0
+        for bits, column, lut, out in jobs:
+            for lo, hi in _cuts(pos, bits.size, share):
+                pieces.append((bits[lo:hi], column, lut, out))
+            pos += bits.size
+        self._parallel(pieces, threads)
 
     def add_group(self, tensors: list, rows: list, offsets=None) -> None:
-        """Count several tensors (one row each); ``offsets`` is for the torch path and unused here."""
-        for t, r in zip(tensors, rows):
-            self.add(t, r)
+        self.add_many(tensors, rows)
+
+    def _parallel(self, pieces: list, threads: int) -> None:
+        """Count ``pieces`` (bits, column, lut, out row) over ``threads`` threads, the caller's included.
+
+        Pieces that share an out row are counted into private rows and added here, so no two threads
+        ever write the same counter.
+        """
+        uses = Counter(id(p[3]) for p in pieces)
+        private, ready = [], []
+        for bits, column, lut, out in pieces:
+            if uses[id(out)] > 1:
+                tmp = np.zeros(NBINS, np.int64)
+                private.append((tmp, out))
+                out = tmp
+            ready.append((bits, column, lut, out))
+        groups = _balance(ready, threads)
+        if self._pool is None or self._pool_size < len(groups) - 1:
+            self.close()
+            self._pool_size = threads - 1
+            self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="ampviz-count")
+        futures = [self._pool.submit(_count_all, group) for group in groups[1:]]
+        _count_all(groups[0])
+        for f in futures:
+            f.result()
+        for tmp, out in private:
+            out += tmp
 
     def submit(self) -> None:
         """Nothing is buffered: counts land during ``add``."""
@@ -142,7 +218,40 @@ class NumbaCounter:
         """Nothing runs in the background."""
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Stop the counting threads (a later count starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _count_all(pieces) -> None:
+    for bits, column, lut, out in pieces:
+        _count(column, bits, lut, out)
+
+
+def _spans(n: int, parts: int):
+    step = -(-n // parts)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _cuts(pos: int, size: int, share: int):
+    """(lo, hi) pieces of a tensor starting at ``pos`` in the concatenation, cut at multiples of ``share``."""
+    lo = 0
+    while lo < size:
+        hi = min(size, (pos + lo) // share * share + share - pos)
+        yield lo, hi
+        lo = hi
+
+
+def _balance(pieces: list, threads: int) -> list:
+    """Pieces grouped into ``threads`` lists of about equal size (they arrive as contiguous shares)."""
+    total = sum(p[0].size for p in pieces)
+    share = -(-total // threads)
+    groups, pos = [[] for _ in range(threads)], 0
+    for p in pieces:
+        groups[min(threads - 1, pos // share)].append(p)
+        pos += p[0].size
+    return [g for g in groups if g] or [[]]
 
 
 def make_counter(device, capacity: int = 1 << 20):

@@ -1,9 +1,16 @@
-"""Where a Recorder keeps its numbers: a small ring buffer on the device, flushed to host arrays.
+"""Where a Recorder keeps its numbers: a small ring buffer on the device, flushed into bounded host arrays.
 
 Per step the device receives a loss, the scale after ``update()`` and (on recorded steps) a row
-of histogram counts; nothing is read back until the ring is full. A flush copies the ring to
-the host in one transfer (the only device->host sync) and appends it to growing numpy chunks.
-When the chunks would exceed ``max_bytes``, every other recorded step is dropped (decimation).
+of histogram counts; nothing is read back until the ring is full. A flush copies the ring into
+preallocated host arrays (the only device->host sync) of at most ``max_bytes``: when they are
+full, every other recorded step is dropped in place (decimation) and ``every`` doubles. Host
+memory therefore stays within ``max_bytes`` for the histograms, plus the ring (at most
+``max_bytes / 16``; on the CPU the "device" is the host) and 24 bytes per step for the scalars::
+
+    store = StepStore("cpu", n_tensors=3, flush_every=32, max_bytes=1 << 20, every=1)
+    counter.target = store.slot()          # the counts row of the current recorded step
+    store.put_scalars(loss, scaler)        # every step
+    store.end_row(step, order, counter)    # a recorded step is complete
 """
 
 from __future__ import annotations
@@ -17,25 +24,40 @@ import torch
 from ._binning import NBINS
 from ._warnings import AmpvizWarning
 
+_MOVE_BYTES = 8 << 20        # decimation moves rows in blocks of this size (the only temporary copy)
+
 
 class StepStore:
-    """Device ring + host chunks for per-step scalars and histogram rows."""
+    """Device ring + bounded host arrays for per-step scalars and histogram rows."""
 
-    def __init__(self, device, n_tensors: int, flush_every: int, max_bytes: int, every: int):
-        self.n_tensors, self.flush_every, self.max_bytes, self.every = n_tensors, flush_every, max_bytes, every
-        # (flush_every, T, NBINS) counts on the device; (2, flush_every) loss and scale after update()
-        self.ring = torch.zeros(flush_every, n_tensors, NBINS, dtype=torch.int64, device=device)
-        self.scalars = torch.zeros(2, flush_every, dtype=torch.float64, device=device)
-        self.rows_used, self.row_steps, self.scalars_used = 0, [], 0
-        self.host = {"loss": [], "next_scale": [], "hist_steps": [], "counts": []}
+    def __init__(self, device, n_tensors: int, flush_every: int, max_bytes: int, every: int, stacklevel: int = 4):
+        self.n_tensors, self.max_bytes, self.every, self.stacklevel = n_tensors, max_bytes, every, stacklevel
+        # one histogram row on the host: counts (T, NBINS) int64, backward order (T,) int32, its step
+        self.row_bytes = n_tensors * (NBINS * 8 + 4) + 8
+        self.capacity = max(2, max_bytes // self.row_bytes)
+        # the counts ring stays within max_bytes / 16 (on the CPU it is host memory too)
+        self.flush_every = max(1, min(flush_every, self.capacity, (max_bytes // 16) // self.row_bytes))
+        self.ring = torch.zeros(self.flush_every, n_tensors, NBINS, dtype=torch.int64, device=device)
+        self.ring_order = np.full((self.flush_every, n_tensors), -1, dtype=np.int32)
+        self.ring_steps: list[int] = []
+        # (2, S) loss and scale after update(): 16 bytes a step, so a longer ring than the counts'
+        self.scalar_len = max(1, min(flush_every, 4096))
+        self.scalars = torch.zeros(2, self.scalar_len, dtype=torch.float64, device=device)
+        self.scalars_used = 0
+        self.loss: list[np.ndarray] = []
+        self.next_scale: list[np.ndarray] = []
+        self.scheduler: list[int] = []
+        self.n = 0                                  # histogram rows on the host
+        self.counts = self.order = self.steps = None  # allocated at the first flush (pages on first touch)
         self.decimations = 0
 
     def slot(self) -> torch.Tensor:
         """Flat view of the counts row that the current recorded step adds into."""
-        return self.ring[self.rows_used].view(-1)
+        return self.ring[len(self.ring_steps)].view(-1)
 
-    def put_scalars(self, loss, scaler) -> None:
-        """Store this step's loss and the scaler's current scale without a host sync."""
+    # ------------------------------------------------------------------ per step
+    def put_scalars(self, loss, scaler, scheduler_epoch=None) -> None:
+        """Store this step's loss, the scaler's current scale and the scheduler's epoch without a host sync."""
         j = self.scalars_used
         if loss is None:
             self.scalars[0, j] = math.nan
@@ -50,55 +72,94 @@ class StepStore:
             self.scalars[1, j].copy_(scale.reshape(()))      # get_scale() would sync on GPU
         else:
             self.scalars[1, j] = 1.0 if scaler is None else scaler.get_scale()
+        if scheduler_epoch is not None:
+            self.scheduler.append(int(scheduler_epoch))
         self.scalars_used += 1
-        if self.scalars_used == self.flush_every:
+        if self.scalars_used == self.scalar_len:
             self.flush_scalars()
 
-    def end_row(self, step: int, binner) -> None:
-        """The current row is complete (its counts were submitted); move to the next."""
-        self.row_steps.append(step)
-        self.rows_used += 1
-        if self.rows_used == self.flush_every:
-            self.flush_counts(binner)
+    def end_row(self, step: int, order, counter) -> None:
+        """The current row is complete (its counts were submitted); ``order`` is its backward order (T,)."""
+        i = len(self.ring_steps)
+        self.ring_order[i] = order
+        self.ring_steps.append(step)
+        if len(self.ring_steps) == self.flush_every:
+            self.flush_counts(counter)
+        counter.target = self.slot()
 
+    # ------------------------------------------------------------------ flushes
     def flush_scalars(self) -> None:
         n = self.scalars_used
         if n:
             host = self.scalars[:, :n].cpu().numpy()           # note: a device->host sync, once per flush
-            self.host["loss"].append(host[0].copy())
-            self.host["next_scale"].append(host[1].copy())
+            self.loss.append(host[0].copy())
+            self.next_scale.append(host[1].copy())
             self.scalars_used = 0
 
-    def flush_counts(self, binner) -> None:
-        binner.wait()
-        n = self.rows_used
-        if n:
-            self.host["counts"].append(self.ring[:n].cpu().numpy().copy())   # sync, once per flush
-            self.host["hist_steps"].extend(self.row_steps)
+    def flush_counts(self, counter) -> None:
+        counter.wait()
+        k = len(self.ring_steps)
+        if k:
+            if self.counts is None:
+                # np.empty: the pages are only committed as rows are written
+                self.counts = np.empty((self.capacity, self.n_tensors, NBINS), dtype=np.int64)
+                self.order = np.empty((self.capacity, self.n_tensors), dtype=np.int32)
+                self.steps = np.empty(self.capacity, dtype=np.int64)
+            if self.n + k <= self.capacity:                    # one transfer, straight into place
+                torch.from_numpy(self.counts[self.n:self.n + k]).copy_(self.ring[:k])   # sync, once per flush
+                self.order[self.n:self.n + k] = self.ring_order[:k]
+                self.steps[self.n:self.n + k] = self.ring_steps
+                self.n += k
+            else:
+                self._append_decimating(self.ring[:k].cpu().numpy(), k)            # sync, once per flush
             self.ring.zero_()
-            self.rows_used, self.row_steps = 0, []
-            self._maybe_decimate()
-        binner.target = self.slot()
+            self.ring_order.fill(-1)
+            self.ring_steps = []
+        counter.target = self.slot()
 
-    def _maybe_decimate(self) -> None:
-        row_bytes = self.n_tensors * NBINS * 8
-        while len(self.host["hist_steps"]) * row_bytes > self.max_bytes and len(self.host["hist_steps"]) > 1:
-            counts = np.concatenate(self.host["counts"])
-            steps = np.asarray(self.host["hist_steps"])
-            keep = (steps // self.every) % 2 == 0
-            self.host["counts"], self.host["hist_steps"] = [counts[keep]], steps[keep].tolist()
-            self.every *= 2
-            self.decimations += 1
-            warnings.warn(f"Recorder: histograms reached max_bytes={self.max_bytes}; keeping every "
-                          f"{self.every}th step from now on", AmpvizWarning, stacklevel=6)
+    def _append_decimating(self, rows: np.ndarray, k: int) -> None:
+        for j in range(k):
+            step = self.ring_steps[j]
+            if self.n == self.capacity:
+                self._decimate()
+            if step % self.every:                              # recorded before ``every`` doubled
+                continue
+            self.counts[self.n], self.order[self.n], self.steps[self.n] = rows[j], self.ring_order[j], step
+            self.n += 1
 
-    def arrays(self, init_scale: float, skip_by_scale: bool) -> dict:
-        """Host arrays of everything flushed so far (steps, loss, scales, skipped, counts)."""
-        nxt = np.concatenate(self.host["next_scale"]) if self.host["next_scale"] else np.zeros(0)
+    def _decimate(self) -> None:
+        """Keep every other recorded step, in place, and double ``every``."""
+        keep = np.flatnonzero((self.steps[:self.n] // self.every) % 2 == 0)
+        if keep.size == self.n:                                # irregular steps: halve by position
+            keep = np.arange(0, self.n, 2)
+        block = max(1, _MOVE_BYTES // self.row_bytes)
+        for a in range(0, keep.size, block):                  # sources keep[a:] >= a: never overwritten first
+            idx = keep[a:a + block]
+            self.counts[a:a + idx.size] = self.counts[idx]
+            self.order[a:a + idx.size] = self.order[idx]
+            self.steps[a:a + idx.size] = self.steps[idx]
+        self.n = keep.size
+        self.every *= 2
+        self.decimations += 1
+        warnings.warn(f"Recorder: histograms reached max_bytes={self.max_bytes}; keeping every "
+                      f"{self.every}th step from now on", AmpvizWarning, stacklevel=self.stacklevel)
+
+    # ------------------------------------------------------------------ the result
+    def arrays(self, init_scale: float, skip_by_scale: bool, copy: bool) -> dict:
+        """Host arrays of everything flushed so far. ``copy=False`` returns views of the store (for the final
+        run: no second copy of the histograms); a snapshot of an open recorder needs ``copy=True``."""
+        nxt = np.concatenate(self.next_scale) if self.next_scale else np.zeros(0)
         used = np.concatenate([[init_scale], nxt[:-1]]) if nxt.size else np.zeros(0)
-        loss = np.concatenate(self.host["loss"]) if self.host["loss"] else np.zeros(0)
-        counts = (np.concatenate(self.host["counts"]) if self.host["counts"]
-                  else np.zeros((0, self.n_tensors, NBINS), dtype=np.int64))
+        loss = np.concatenate(self.loss) if self.loss else np.zeros(0)
+        if self.counts is None:
+            counts = np.zeros((0, self.n_tensors, NBINS), dtype=np.int64)
+            order = np.zeros((0, self.n_tensors), dtype=np.int32)
+            steps = np.zeros(0, dtype=np.int64)
+        else:
+            counts, order, steps = self.counts[:self.n], self.order[:self.n], self.steps[:self.n]
+            if copy:
+                counts, order, steps = counts.copy(), order.copy(), steps.copy()
         return {"steps": np.arange(nxt.size), "loss": loss, "loss_scale": used, "next_scale": nxt,
                 "skipped": (nxt < used) if skip_by_scale else np.zeros(nxt.size, dtype=bool),
-                "hist_steps": np.asarray(self.host["hist_steps"], dtype=np.int64), "counts": counts}
+                "hist_steps": steps, "counts": counts, "grad_order": order,
+                "scheduler_steps": np.asarray(self.scheduler[:nxt.size], dtype=np.int64)}

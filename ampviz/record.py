@@ -18,41 +18,58 @@ What is stored, and in which domain:
 
 * weight gradients, one histogram per parameter, **unscaled**: read in an optimizer step
   pre-hook, i.e. as the optimizer sees them (after ``GradScaler.unscale_``, after every
-  accumulated micro-batch, after DDP's all-reduce, after any clipping). A step the scaler skips
-  never reaches the optimizer; its gradients (unscaled in place by ``scaler.step``, containing the
-  inf/nan) are read at ``rec.step()`` from references kept when autograd last accumulated them,
-  so zeroing with ``set_to_none=True`` before ``rec.step()`` is fine.
+  accumulated micro-batch, after DDP's all-reduce, after any clipping); with ``step(closure)``
+  (LBFGS, SAM, Lightning without a scaler) once the closure's first call has run the backward.
+  A step the scaler skips never reaches the optimizer; its gradients (unscaled in place by
+  ``scaler.step``, containing the inf/nan) are read at ``rec.step()`` from references kept when
+  autograd last accumulated them, so zeroing with ``set_to_none=True`` before ``rec.step()`` is fine.
+  Under FSDP2 each rank counts its shard: the ranks' counts add up to the full gradient's.
 * activation gradients, the gradient w.r.t. each chosen module's output, **scaled**: exactly as
   the backward computed them (in fp16 under fp16 autocast, multiplied by the loss scale).
-  A forward hook attaches a tensor hook to the output; micro-batches of one step add up.
+  Micro-batches of one step add up.
+* forward outputs (``outputs=``, off by default), in the dtype autocast produced, **unscaled**
+  (the loss scale never reaches the forward): where a forward overflow shows. Forwards under
+  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted.
 * per step: the loss you pass, the loss scale the step used, the scale after ``update()``,
-  and whether the step was skipped (the scale went down).
-
-``Run.counts_in("unscaled" | "scaled")`` gives either view of both kinds.
+  whether the step was skipped (the scale went down), and the LR scheduler's ``last_epoch``;
+  per recorded step the order in which each gradient was counted in the step's first backward.
 
 Cost: keys and counts stay on the device; there is no host sync per tensor. The counts are
-copied to the host once every ``flush_every`` recorded steps. Memory stays bounded on long runs
-by **decimation**: when the host store would exceed ``max_bytes``, every other recorded step is
-dropped and ``every`` doubles (``run.meta["decimated"]`` says how often).
+copied to the host once every ``flush_every`` recorded steps. Host memory stays within
+``max_bytes`` (plus ``max_bytes / 16`` for the ring and 24 bytes per step) by **decimation**: when
+the histograms fill it, every other recorded step is dropped and ``every`` doubles
+(``run.meta["decimated"]`` says how often).
 """
 
 from __future__ import annotations
 
-import functools
+import sys
 import time
-from pathlib import Path
+import warnings
 
-import numpy as np
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import __version__
 from ._args import check_int
-from ._binning import group_offsets
 from ._binning_numba import make_counter
+from ._record_guard import SaveOnTerm, StepChecks, check_path, model_changes, rank_file
+from ._record_hooks import Capture
 from ._record_store import StepStore
-from ._record_targets import dist_info, first_grad_tensor, is_ddp, select
+from ._record_targets import (
+    attention_in_place_of_out_proj,
+    compiled_modules,
+    default_modules,
+    dist_info,
+    named_modules,
+    named_parameters,
+    select,
+    trainable_param,
+    unwrap_model,
+    unwrap_optimizer,
+    unwrap_scheduler,
+)
+from ._warnings import AmpvizWarning
 from .run import Run
 
 __all__ = ["Recorder"]
@@ -63,59 +80,99 @@ class Recorder:
 
     Parameters
     ----------
-    model : the ``nn.Module`` being trained (a DDP wrapper is unwrapped).
-    optimizer : its optimizer (recommended). Without it a global optimizer hook is used, which
-        fires for any optimizer that steps the model's parameters.
+    model : the ``nn.Module`` being trained (DDP and ``torch.compile`` wrappers are unwrapped; create the
+        Recorder once the model is final, e.g. after ``fully_shard``).
+    optimizer : its optimizer (recommended; accelerate's and Lightning's wrappers are unwrapped). Without
+        it a global optimizer hook is used, which fires for any optimizer that steps the model's parameters.
     scaler : the ``torch.amp.GradScaler`` in use, or None (bf16 / fp32 training).
     weights : record weight gradients: True (all trainable parameters), False, a regex on the
         parameter name, a list of names, or a callable ``(name, param) -> bool``.
+    activations : record activation gradients: True (every leaf module with a trainable parameter of its
+        own; an ``nn.MultiheadAttention`` in place of its ``out_proj``, which it never calls), False, a
+        regex on module names, a list of names, or a callable ``(name, module) -> bool``. A module's output
+        may be a tensor, or a tuple, list, dict or ``ModelOutput``: its first floating-point tensor counts.
+        Under ``torch.compile`` activation capture is off (a hook would add graph breaks and change
+        training): the default says so in a warning, an explicit choice is an error.
+    outputs : record forward outputs (kind "output", rows named ``"<module> [output]"``): True (the modules
+        ``activations=True`` picks), False (default), or a regex / list / callable as for ``activations``.
     local_weights : under DDP, also record each rank's *local* weight gradients, before the
         all-reduce (kind "weight_local", named "<param> [local]", scaled as computed). They are read
         in the backward pass that all-reduces, i.e. the micro-batch outside ``no_sync()``; use
         ``no_sync()`` on the others, or each backward is counted.
-    activations : record activation gradients: True (every leaf module that has parameters),
-        False, a regex on module names, a list of names, or a callable ``(name, module) -> bool``.
+    scheduler : the LR scheduler, if any: its ``last_epoch`` is recorded at every ``rec.step()``
+        (``run.scheduler_steps``), so a scheduler that steps on skipped steps shows.
     every : record histograms every ``every`` optimizer steps (scalars are kept for every step).
-    flush_every : recorded steps buffered on the device between host copies.
+    flush_every : recorded steps buffered on the device between host copies (capped so the buffer
+        stays within ``max_bytes / 16``).
     max_bytes : bound on the host memory of the histograms (decimation beyond it).
-    path : if given, the run is saved there (atomically) on exit, also when the loop raises;
-        under DDP with several ranks it is a directory receiving ``rank{r}.npz``.
+    path : where the run is saved (atomically) on exit, also when the loop raises or on SIGTERM: a file
+        ending in ``.npz`` (under DDP each rank writes ``<stem>.rank{r}.npz`` beside it), or a
+        directory, which receives ``rank{r}.npz``. Checked here: a path that could never be written
+        is an error now, not after training.
     enabled : False makes the recorder a no-op (no hooks), like ``autocast(enabled=False)``.
     """
 
-    def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, local_weights=False,
-                 every: int = 1, flush_every: int = 32, max_bytes: int = 256 << 20, path=None,
-                 enabled: bool = True):
+    def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, outputs=False,
+                 local_weights=False, scheduler=None, every: int = 1, flush_every: int = 32,
+                 max_bytes: int = 256 << 20, path=None, enabled: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        self.optimizer, self.scheduler = unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
         for name, value in (("every", every), ("flush_every", flush_every), ("max_bytes", max_bytes)):
             check_int(name, value, low=1)
-        self.enabled = bool(enabled)
-        self._ddp = model if is_ddp(model) else None
+        self.enabled, self.path = bool(enabled), check_path(path)
+        self._given = model
+        self.model, self._ddp, self._compiled = unwrap_model(model)
         if local_weights and self._ddp is None:
             raise ValueError("local_weights: True needs a DistributedDataParallel model (local and reduced "
                              "gradients only differ under DDP)")
-        self.model = model.module if self._ddp is not None else model
-        self.optimizer, self.every, self.flush_every, self.max_bytes = optimizer, every, flush_every, max_bytes
+        self.every, self.flush_every, self.max_bytes = every, flush_every, max_bytes
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.path = Path(path) if path is not None else None
-        self._params = select(self.model.named_parameters(), weights, "weights",
-                               default=lambda n, p: p.requires_grad)
-        self._modules = select(self.model.named_modules(), activations, "activations",
-                                default=lambda n, m: n != "" and not list(m.children())
-                                and any(True for _ in m.parameters(recurse=False)))
+        self._params = select(named_parameters(self.model), weights, "weights", default=trainable_param)
+        frozen = [n for n, p in self._params if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"weights: {frozen[:3]} do not require grad (frozen), so they never get a gradient")
+        self._all_weights = weights is True
+        self._default_modules = default_modules(self.model)
+        self._activations = self._modules_for(activations, "activations")
+        self._outputs = self._modules_for(outputs, "outputs")
+        # a module added later would have been chosen: only for the default choice, outside torch.compile
+        self._new_modules_count = (activations is True or outputs is True) and not self._compiled_anywhere
         self._local = bool(local_weights)
-        nl = len(self._params) if self._local else 0
-        self.tensor_names = ([n for n, _ in self._params] + [n for n, _ in self._modules]
-                             + [f"{n} [local]" for n, _ in self._params][:nl])
-        self.tensor_kinds = ["weight"] * len(self._params) + ["activation"] * len(self._modules) + ["weight_local"] * nl
-        self._dtypes = ([str(p.dtype) for _, p in self._params] + [""] * len(self._modules)
-                        + [str(p.dtype) for _, p in self._params][:nl])
-        self._handles, self._open, self._closed, self._run = [], False, False, None
+        watched = [n for n, _ in self._params]
+        self.tensor_names = (watched + [n for n, _ in self._activations] + [f"{n} [output]" for n, _ in self._outputs]
+                             + ([f"{n} [local]" for n in watched] if self._local else []))
+        self.tensor_kinds = (["weight"] * len(watched) + ["activation"] * len(self._activations)
+                             + ["output"] * len(self._outputs)
+                             + (["weight_local"] * len(watched) if self._local else []))
+        dtypes = [str(p.dtype) for _, p in self._params]
+        self._dtypes = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
+        self._open = self._closed = False
+        self._run = None
+        self._term = SaveOnTerm()
+
+    def _modules_for(self, spec, argname: str) -> list:
+        chosen = select(named_modules(self.model), spec, argname, default=self._default_modules)
+        chosen, replaced = attention_in_place_of_out_proj(self.model, chosen, argname)
+        if replaced and spec is not True:
+            warnings.warn(f"{argname}: nn.MultiheadAttention never calls its out_proj ({', '.join(replaced[:3])}); "
+                          f"recording the attention module's output instead (the same tensor)", AmpvizWarning,
+                          stacklevel=3)
+        inside = {id(m) for m in self.model.modules()} if self._compiled else compiled_modules(self.model)
+        self._compiled_anywhere = bool(inside)
+        hit = [n for n, m in chosen if id(m) in inside]
+        if not hit:
+            return chosen
+        if spec is not True:
+            raise ValueError(f"{argname}: {len(hit)} chosen modules run inside torch.compile ({', '.join(hit[:3])}); "
+                             f"a hook on them would add graph breaks and change the compiled training. Record "
+                             f"the model without torch.compile, or pass {argname}=False (weights are still recorded)")
+        warnings.warn(f"{argname}: the model runs under torch.compile, where a hook on its modules would add graph "
+                      f"breaks and change training, so {argname} are not recorded for {len(hit)} modules (weight "
+                      f"gradients still are); pass {argname}=False to say so", AmpvizWarning, stacklevel=3)
+        return [(n, m) for n, m in chosen if id(m) not in inside]
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Recorder:
@@ -123,40 +180,73 @@ class Recorder:
             raise RuntimeError("Recorder is already open")
         if self._closed:
             raise RuntimeError("Recorder was closed; create a new one to record again")
-        self._open = True
         if self.enabled:
-            self._setup()
-            self._install_hooks()
+            problems = self._model_changes()
+            if problems:
+                raise RuntimeError(f"Recorder: the model changed after Recorder(...) was made "
+                                   f"({'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''}): those rows "
+                                   f"would never fill. Create the Recorder once the model is final (after "
+                                   f"fully_shard, adapters, layer changes)")
+            try:
+                self._setup()
+            except BaseException:
+                self._teardown()                  # nothing installed is left behind
+                raise
+        self._open = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.close()
+        if exc is None:
+            self.close()
+            return False
+        try:
+            self._close(failing=True)
+        except Exception as save_error:           # the user's exception stays the one raised
+            note = (f"ampviz: the run could not be saved to {self.path} ({type(save_error).__name__}: {save_error}); "
+                    f"it is still in recorder.run: save it elsewhere with recorder.run.save(path)")
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:                                 # pragma: no cover - Python 3.10
+                print(note, file=sys.stderr)
         return False
 
     def close(self) -> None:
         """Remove every hook, flush what was recorded, build ``self.run`` and save it if ``path``."""
+        self._close(failing=False)
+
+    def _close(self, failing: bool) -> None:
         if self._closed:
             return
         self._closed, self._open = True, False
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         if not self.enabled:
             return
-        try:
-            self._flush()
-        finally:
-            self._binner.close()
-            self._grad_refs = [None] * len(self._params)
-        self._run = self._build_run()
+        self._teardown()
+        self._flush()
+        self._run = self._build_run(final=True)
+        if not failing:
+            self._checks.at_close(self._step, self._capture.total_optimizer_steps, self._forwards)
+            problems = self._model_changes()
+            if problems:
+                warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those rows "
+                              f"stopped filling", AmpvizWarning, stacklevel=3)
         if self.path is not None:
-            self._save(self._run)
+            self._run.save(rank_file(self.path, self._world, self._rank))
+
+    def _teardown(self) -> None:
+        capture = getattr(self, "_capture", None)
+        if capture is not None:
+            capture.remove()
+            capture.grad_refs = [None] * capture.n_weights
+        self._term.restore()
+        counter = getattr(self, "_counter", None)
+        if counter is not None:
+            counter.close()
 
     def wait(self) -> None:
         """Block until the counts of every recorded step so far have landed (on the GPU they are
         computed asynchronously). Useful for timing; never needed for correctness."""
         if self.enabled and self._open:
-            self._binner.wait()
+            self._counter.wait()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
@@ -170,7 +260,7 @@ class Recorder:
         if not self._open:
             raise RuntimeError("Recorder has not been entered yet")
         self._flush()
-        return self._build_run()
+        return self._build_run(final=False)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -178,84 +268,26 @@ class Recorder:
         self.device = first.device if first is not None else torch.device("cpu")
         self._world, self._rank = dist_info()
         numel = sum(p.numel() for _, p in self._params)
-        self._binner = make_counter(self.device, capacity=numel + (1 << 16))
-        self._store = StepStore(self.device, len(self.tensor_names), self.flush_every, self.max_bytes, self.every)
-        self._step = 0
-        self._row_of = {id(p): i for i, (_, p) in enumerate(self._params)}
-        self._opt_plans: dict[int, tuple] = {}
-        self._grad_refs = [None] * len(self._params)
-        self._weights_done = np.zeros(len(self._params), dtype=bool)
-        self._capturing = True
-        self._binner.target = self._store.slot()
-        self._prev_scale = self._read_init_scale()
+        self._counter = make_counter(self.device, capacity=numel + (1 << 16))
+        self._store = StepStore(self.device, len(self.tensor_names), self.flush_every, self.max_bytes, self.every,
+                                stacklevel=6)
+        self._capture = Capture(self._params, self._activations, self._outputs, self._local, self._counter,
+                                self._ddp)
+        self._counter.target = self._store.slot()
+        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params))
+        self._step, self._forwards = 0, 0
+        self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._created = time.time()
+        # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
+        root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
+        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None)
+        if self.path is not None:
+            self._term.install()
 
-    def _read_init_scale(self) -> float:
-        if self.scaler is None:
-            return 1.0
-        return float(self.scaler.get_scale())        # one host read, at entry only
-
-    def _install_hooks(self) -> None:
-        nw = len(self._params)
-        for i, (_, module) in enumerate(self._modules):
-            self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, nw + i)))
-        for i, (_, p) in enumerate(self._params):
-            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_accumulated, i)))
-        if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._on_optimizer_step))
-        elif self._params:
-            self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_step))
-
-    # ------------------------------------------------------------------ hooks (hot path: no host syncs)
-    def _on_forward(self, row, module, inputs, output):
-        if not self._capturing:
-            return
-        out = first_grad_tensor(output)
-        if out is not None:
-            out.register_hook(functools.partial(self._on_activation_grad, row))
-
-    def _on_activation_grad(self, row, grad):
-        if grad is not None:
-            self._binner.add(grad, row)
-            self._dtypes[row] = str(grad.dtype)
-
-    def _on_accumulated(self, i, param):
-        if self._capturing:
-            self._grad_refs[i] = param.grad       # a reference, no copy: read at rec.step() if needed
-            if self._local and self._ddp.require_backward_grad_sync:   # this backward all-reduces
-                self._binner.add(param.grad, len(self._params) + len(self._modules) + i)   # still local
-
-    def _on_optimizer_step(self, optimizer, args, kwargs):
-        if not self._capturing:
-            return
-        plan = self._opt_plans.get(id(optimizer))
-        if plan is None:
-            plan = self._opt_plans[id(optimizer)] = self._plan(optimizer)
-        big, small, offsets = plan
-        if small:
-            grads = [self._params[i][1].grad for i in small]
-            if all(_groupable(g) for g in grads) and not self._weights_done[small].any():
-                self._binner.add_group(grads, small, offsets)     # many small tensors: one set of ops
-                self._weights_done[small] = True
-            else:
-                big = big + small
-        for i in big:
-            if not self._weights_done[i]:
-                g = self._params[i][1].grad
-                if g is not None:
-                    self._binner.add(g, i)
-                self._weights_done[i] = True
-
-    def _plan(self, optimizer):
-        """(big rows, small rows, offsets of the small rows' elements) for this optimizer's parameters."""
-        rows = [self._row_of[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in self._row_of]
-        params = [self._params[i][1] for i in rows]
-        small = [i for i, p in zip(rows, params) if p.numel() < _SMALL and p.device == self.device]
-        big = [i for i in rows if i not in set(small)]
-        if len(small) < 2:
-            return rows, [], None
-        sizes = [self._params[i][1].numel() for i in small]
-        return big, small, group_offsets(sizes, small, self.device)
+    def _model_changes(self) -> list:
+        modules = dict(self._activations + self._outputs)
+        return model_changes(self.model, self._params, list(modules.items()), self._all_weights,
+                             self._default_modules if self._new_modules_count else None)
 
     # ------------------------------------------------------------------ per step
     def step(self, loss=None) -> None:
@@ -264,57 +296,45 @@ class Recorder:
             return
         if not self._open:
             raise RuntimeError("Recorder.step() called outside `with recorder:`")
-        self._store.put_scalars(loss, self.scaler)
-        if self._capturing:
-            self._finish_histograms()
+        capture = self._capture
+        epoch = None if self.scheduler is None else self.scheduler.last_epoch
+        self._store.put_scalars(loss, self.scaler, epoch)
+        self._checks.at_step(capture.optimizer_steps)
+        if capture.capturing:
+            capture.finish_step()
+            self._store.end_row(self._step, capture.order, self._counter)
+        if self._step == 0:
+            problems = self._model_changes()
+            if problems:
+                warnings.warn(f"Recorder: the model changed after `with recorder:` began ({'; '.join(problems[:4])}): "
+                              f"those rows do not fill", AmpvizWarning, stacklevel=2)
+        self._forwards += capture.forwards
         self._step += 1
         self.every = self._store.every                     # decimation may have doubled it
-        self._capturing = self._step % self.every == 0
-
-    def _finish_histograms(self) -> None:
-        for i, done in enumerate(self._weights_done):
-            if not done:                           # skipped step, or no optimizer hook fired
-                g = self._grad_refs[i] if self._grad_refs[i] is not None else self._params[i][1].grad
-                if g is not None:
-                    self._binner.add(g, i)
-        self._weights_done[:] = False
-        self._grad_refs = [None] * len(self._params)
-        self._binner.submit()
-        self._store.end_row(self._step, self._binner)
-        self._binner.target = self._store.slot()
+        capture.new_step()
+        capture.capturing = self._step % self.every == 0
 
     def _flush(self) -> None:
-        self._store.flush_counts(self._binner)
+        self._store.flush_counts(self._counter)
         self._store.flush_scalars()
 
     # ------------------------------------------------------------------ the run
-    def _build_run(self) -> Run:
+    def _build_run(self, final: bool) -> Run:
         skip_by_scale = self.scaler is not None and self.scaler.get_backoff_factor() < 1
-        a = self._store.arrays(self._prev_scale, skip_by_scale)
-        per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts")}
+        a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final)
+        per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
+        scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
-                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=list(self._dtypes), meta=self._meta(),
-                   **per_rank)
+                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes),
+                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
 
     def _meta(self) -> dict:
         sc = self.scaler
         return {"ampviz_version": __version__, "torch_version": torch.__version__, "device": str(self.device),
                 "world_size": self._world, "ranks": [self._rank], "every": self.every,
                 "decimated": self._store.decimations, "created": self._created,
-                "domains": {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled"},
+                "domains": {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled",
+                            "output": "unscaled"},
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()}}
-
-    def _save(self, run: Run) -> None:
-        if self._world > 1 and self.path.suffix != ".npz":
-            run.save(self.path / f"rank{self._rank}.npz")
-        else:
-            run.save(self.path)
-
-
-_SMALL = 1 << 16          # parameters below this many elements are keyed together (per-op overhead dominates)
-
-
-def _groupable(g) -> bool:
-    return g is not None and g.dtype == torch.float32 and g.layout == torch.strided

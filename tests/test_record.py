@@ -119,7 +119,8 @@ def test_fp16_gradscaler_weights_unscaled_activations_scaled():
             opt.zero_grad()
             rec.step(loss)
     run = rec.run
-    assert run.meta["domains"] == {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled"}
+    assert run.meta["domains"] == {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled",
+                                   "output": "unscaled"}
     assert run.tensor_dtypes[-1] == "torch.float16" and run.loss_scale[0].tolist() == [1024, 1024, 2048, 2048, 4096]
     for s in range(5):
         np.testing.assert_array_equal(run.counts[0, s, 0], oracle.weights[s][0].numpy())   # after unscale_
