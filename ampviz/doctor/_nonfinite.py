@@ -84,7 +84,7 @@ def _origin(facts: Facts, r: int, h: int, inf: np.ndarray, nan: np.ndarray) -> d
     return {"inf": {names[t]: int(inf[t]) for t in bad if inf[t]},
             "nan": {names[t]: int(nan[t]) for t in bad if nan[t]},
             "order_recorded": recorded, "spread": [names[t] for t in bad if t not in sources],
-            "forward_origin": names[outputs[0]] if outputs else None,
+            "forward_origin": _layer(names[outputs[0]]) if outputs else None,
             "sources": [{"tensor": names[t], "row": t, "kind": run.tensor_kinds[t], "inf": int(inf[t]),
                          "nan": int(nan[t]), "nearest_loss": t == nearest, "spread": _spread_of(t, sources, bad, names),
                          "next_module": _next_module(facts, t, order)} for t in sources]}
@@ -276,22 +276,23 @@ def _overflowing_outputs(facts: Facts) -> list[dict]:
                 groups.setdefault(bad[0], []).append((r, h, bad[1:]))
     out = []
     for t, hits in groups.items():
-        name, dtype = run.tensor_names[t], run.tensor_dtypes[t].removeprefix("torch.")
+        name, dtype = _layer(run.tensor_names[t]), run.tensor_dtypes[t].removeprefix("torch.")
         steps = sorted({int(run.hist_steps[h]) for _, h, _ in hits})
         r0, h0, spread0 = hits[0]
         inf, nan = facts.nonfinite(r0)
         top = facts.finite_top(r0, "recorded")[:, t]
         before = top[:h0][np.isfinite(top[:h0])]
         loss = run.loss[r0, facts.hist_pos[h0]]
-        spread = list(dict.fromkeys(run.tensor_names[s] for _, _, sp in hits for s in sp))
+        spread = list(dict.fromkeys(_layer(run.tensor_names[s]) for _, _, sp in hits for s in sp))
         details = [f"step {steps[0]} (rank {run.ranks[r0]}): {name}'s outputs hold "
                    f"{_inf_nan(int(inf[h0, t]), int(nan[h0, t]))}; loss {loss:g}"
-                   + (f"; then {names_text([run.tensor_names[s] for s in spread0], 4)}" if spread0 else "")]
+                   + (f"; then {names_text([_layer(run.tensor_names[s]) for s in spread0], 4)}" if spread0 else "")]
         if before.size:
             details.append(f"before step {steps[0]} its largest finite outputs reached 2^{before.max() + 1:g}")
         out.append(finding(
-            "forward_overflow", "error", f"{name}'s outputs overflow {dtype} (reach inf) at {_n_steps(steps)}; "
-            f"no loss scale fixes this", steps=steps, tensors=[name] + spread,
+            "forward_overflow", "error", f"{name}'s outputs overflow {dtype} at {_n_steps(steps)}: "
+            f"{_inf_nan(int(inf[h0, t]), int(nan[h0, t]))} at step {steps[0]}; no loss scale fixes this",
+            steps=steps, tensors=[name] + spread,
             ranks=sorted({run.ranks[r] for r, _, _ in hits}), details=details,
             evidence={"layer": name, "dtype": dtype, "steps": steps, "first_step_inf": int(inf[h0, t]),
                       "first_step_nan": int(nan[h0, t]), "first_step_loss": float(loss),
@@ -304,10 +305,15 @@ def _overflowing_outputs(facts: Facts) -> list[dict]:
     return out
 
 
+def _layer(name: str) -> str:
+    """The module of a forward-output row ("fc2 [output]" -> "fc2")."""
+    return name.removesuffix(" [output]")
+
+
 def _headroom(facts: Facts) -> list[dict]:
     run, out = facts.run, []
     for t in facts.output_rows:
-        dtype = run.tensor_dtypes[t].removeprefix("torch.")
+        dtype, layer = run.tensor_dtypes[t].removeprefix("torch."), _layer(run.tensor_names[t])
         if dtype not in ("float16", "bfloat16"):
             continue
         fmt = get_format(dtype)
@@ -320,13 +326,13 @@ def _headroom(facts: Facts) -> list[dict]:
         if hits:
             steps = sorted({int(run.hist_steps[h]) for _, h in hits})
             out.append(finding(
-                "forward_headroom", "warning", f"{run.tensor_names[t]}'s {dtype} outputs come within a factor 2 of "
-                f"{dtype}'s maximum ({fmt.max:g}) at {_n_steps(steps)}", steps=steps, tensors=[run.tensor_names[t]],
+                "forward_headroom", "warning", f"{layer}'s {dtype} outputs come within a factor 2 of "
+                f"{dtype}'s maximum ({fmt.max:g}) at {_n_steps(steps)}", steps=steps, tensors=[layer],
                 ranks=sorted({run.ranks[r] for r, _ in hits}),
-                evidence={"layer": run.tensor_names[t], "dtype": dtype, "steps": steps,
+                evidence={"layer": layer, "dtype": dtype, "steps": steps,
                           "binade": f"(2^{fmt.emax}, 2^{fmt.emax + 1}]"},
                 details=[f"outputs in (2^{fmt.emax}, {fmt.max:g}] at steps {steps_text(steps)}"],
                 recommendation=f"One more doubling overflows to inf, and no loss scale helps the forward pass: "
-                               f"consider running {run.tensor_names[t]} in bf16 or fp32."))
+                               f"consider running {layer} in bf16 or fp32."))
     return out
 

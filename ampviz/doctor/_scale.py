@@ -14,6 +14,7 @@ from ..scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy,
 from ._facts import Facts, finding, scale_text, steps_text
 
 COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse
+FREQUENT_MIN = 3           # loss-scale overflows after the start before frequent_skips can be reported
 UNBOUNDED_LOG2 = 40         # a loss scale of 2**40 or more: every gradient is below 2**-24, fp16's smallest
 
 
@@ -67,14 +68,17 @@ class _Scales:
             self._trace = trace
         return self._trace
 
-    def replays(self, policies: dict, window: tuple[int, int]) -> dict:
-        """{label: {"skipped": skips inside window, "crashed_at": step or None}} over the recorded trace."""
+    def replays(self, policies: dict, window) -> dict:
+        """{label: {"skipped": skips inside window, "crashed_at": step or None}} over the recorded trace;
+        ``window`` is a (start, stop) pair of positions or a (N,) bool mask."""
+        mask = window if isinstance(window, np.ndarray) else np.zeros(self.run.n_steps, dtype=bool)
+        if not isinstance(window, np.ndarray):
+            mask[window[0]:window[1]] = True
         out = {}
         for label, policy in policies.items():
             rep = replay(policy, self.trace, self.facts.grad_format)
-            a, b = window
             crashed = None if rep.crashed_at is None else int(self.run.steps[rep.crashed_at])
-            out[label] = {"skipped": int(rep.skipped[a:b].sum()), "crashed_at": crashed,
+            out[label] = {"skipped": int(rep.skipped[mask[:rep.skipped.size]].sum()), "crashed_at": crashed,
                           "final_scale": rep.final_scale}
         return out
 
@@ -153,8 +157,8 @@ def _init_finding(sc: _Scales) -> dict:
                  *_replay_lines(rep, n), _REPLAY_CAVEAT],
         recommendation=f"Harmless: GradScaler backs off on every overflow, so this costs {n} optimizer step"
                        f"{'s' if n > 1 else ''} once. To avoid them, start lower: GradScaler(device, "
-                       f"init_scale={settled:g}). Don't mistake them for instability, and step the LR scheduler "
-                       f"only on steps that were not skipped.")
+                       f"init_scale={_python_number(settled)}). Don't mistake them for instability, and step the "
+                       f"LR scheduler only on steps that were not skipped.")
 
 
 _COLLAPSE_ADVICE = {
@@ -205,19 +209,21 @@ def _frequent_finding(sc: _Scales):
     counted = [p for p in np.flatnonzero(sc.skipped & sc.steady) if sc._by_scale(p)]
     n_steady = int(sc.steady.sum())
     allowed = n_steady // (g + 1) + 1
-    if len(counted) < 2 or len(counted) <= allowed:
+    # a little slack: twice what the growth interval allows, and at least FREQUENT_MIN skips
+    if len(counted) < FREQUENT_MIN or len(counted) <= 2 * allowed:
         return None
     steps = run.steps[counted].tolist()
-    rep = sc.replays(sc.alternatives(), (0, run.n_steps))
-    for r in rep.values():       # count only the steady steps, as the finding does
-        r.pop("final_scale")
+    rep = sc.replays(sc.alternatives(), sc.steady)          # skips on the same steps the finding counts
     return finding(
-        "frequent_skips", "warning", f"{len(counted)} loss-scale overflows in {n_steady} steps: more than one per "
-        f"growth interval allows (at most {allowed} with growth_interval {g})", steps=steps, ranks=[run.ranks[0]],
+        "frequent_skips", "warning", f"{len(counted)} loss-scale overflows in {n_steady} steps after the start, where "
+        f"GradScaler's growth probes explain {allowed} (one per growth_interval + 1 = {g + 1} steps)",
+        steps=steps, ranks=[run.ranks[0]],
         evidence={"skipped": len(counted), "steady_steps": n_steady, "growth_interval": g, "allowed": allowed,
-                  "replays_whole_run": rep},
+                  "replays": rep},
         details=[f"skipped steps: {steps_text(steps)}"] + [
-            f"replay over the whole run, {k}: {v['skipped']} skipped" for k, v in rep.items()] + [_REPLAY_CAVEAT],
+            f"replay, {k}: {v['skipped']} skipped on these {n_steady} steps" + (
+                f"; stops the run at step {v['crashed_at']}" if v["crashed_at"] is not None else "")
+            for k, v in rep.items()] + [_REPLAY_CAVEAT],
         recommendation="Each skip discards a batch: the gradients' maximum jumps by more than the growth factor "
                        "between steps. A scaler that grows less often or one with hysteresis skips fewer (replays "
                        "above); if the jumps are loss spikes, lower the learning rate or clip gradients after "
@@ -282,8 +288,8 @@ def scheduler_findings(facts: Facts) -> list[dict]:
     if run.scheduler_steps is None or run.n_steps == 0:
         return []
     last_epoch = run.scheduler_steps[0].astype(np.int64)
-    start = _scheduler_start(run)
-    # step 0 advanced if last_epoch moved from where it was when recording began (unknown in older runs)
+    start = _scheduler_start(run, last_epoch)
+    # step 0 advanced if last_epoch moved from where it was when recording began (not judged if unknown)
     advanced = np.diff(np.concatenate([[last_epoch[0] if start is None else start], last_epoch])) > 0
     hit = np.flatnonzero(advanced & run.skipped[0])
     if not hit.size:
@@ -304,8 +310,18 @@ def scheduler_findings(facts: Facts) -> list[dict]:
                        "on skipped steps (Lightning#16228, #18828). A few skips at the start only delay warm-up.")]
 
 
-def _scheduler_start(run):
-    """The scheduler's ``last_epoch`` when recording began, if the run stored it."""
+def _scheduler_start(run, last_epoch: np.ndarray):
+    """The scheduler's ``last_epoch`` when recording began: stored in the run's metadata, or 0 for a fresh
+    scheduler (a torch scheduler's constructor leaves ``last_epoch`` at 0, so after the first step it is 0
+    or 1); None when unknown (a resumed scheduler)."""
     sched = run.meta.get("scheduler")
     value = sched.get("last_epoch_at_start") if isinstance(sched, dict) else None
-    return None if value is None else int(value)
+    if value is not None:
+        return int(value)
+    return 0 if last_epoch[0] in (0, 1) else None
+
+
+def _python_number(value: float) -> str:
+    """``1048576.0`` -> ``"2.0**20"``, other numbers as ``repr`` would write them."""
+    m, e = math.frexp(value)
+    return f"2.0**{e - 1}" if m == 0.5 else repr(float(value))
