@@ -1,10 +1,12 @@
 """Python-side update latency of every ampviz widget control, on a run of 2,000 steps × 50 tensors.
 
     python benchmarks/widget_latency.py                 # 2,000 steps, 50 tensors, 2 ranks
+    python benchmarks/widget_latency.py --steps 10000 --tensors 1000      # LLM scale (issue 12)
     python benchmarks/widget_latency.py --steps 500 --repeats 20
 
 Builds a synthetic Run of the requested size (counts arrays of the real shape and dtype:
-(ranks, steps, tensors, 257) int64; half weight gradients stored unscaled, half activation
+(ranks, histogram steps, tensors, 257) int64, histograms every ``every`` steps where a Recorder with
+its default ``max_bytes`` would end (every step up to 256 MiB per rank, then every 2nd, 4th, ...); half weight gradients stored unscaled, half activation
 gradients stored scaled; the loss scale is a real TorchPolicy replay over the run's own maxima),
 constructs each widget, then sets each control many times and prints the median and maximum time
 of one update: the observer, the in-place figure changes inside ``batch_update`` and the widget
@@ -176,12 +178,15 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=50)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=40, help="updates timed per control")
+    ap.add_argument("--hist-every", type=int, default=None,
+                    help="histograms every N steps (default: where a Recorder with its default max_bytes ends)")
     args = ap.parse_args()
+    every = args.hist_every or recorder_every(args.steps, args.tensors)
     t = time.perf_counter()
-    run = synthetic_run(args.steps, args.tensors, args.ranks)
-    print(f"synthetic run: {args.ranks} ranks × {args.steps} steps × {args.tensors} tensors × {H.NBINS} bins "
-          f"({run.counts.nbytes / 2 ** 20:.0f} MiB of counts), {run.skipped[0].sum()} skipped steps, "
-          f"made in {time.perf_counter() - t:.1f} s")
+    run = synthetic_run(args.steps, args.tensors, args.ranks, hist_every=every)
+    print(f"synthetic run: {args.ranks} ranks × {args.steps} steps × {args.tensors} tensors, histograms every "
+          f"{every} steps ({run.hist_steps.size} × {H.NBINS} bins: {run.counts.nbytes / 2 ** 20:.0f} MiB of counts), "
+          f"{run.skipped[0].sum()} skipped steps, made in {time.perf_counter() - t:.1f} s")
     rows = bench_dtype(args.repeats) + bench_scale(run, args.repeats) + bench_playground(run, args.repeats)
     rows += bench_dashboard(run, args.repeats)
     report(rows)

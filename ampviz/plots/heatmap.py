@@ -71,15 +71,16 @@ def heatmap_matrix(counts, rows: tuple, max_columns: int = MAX_COLUMNS) -> tuple
         return np.where(c > 0, np.log10(c), np.nan).astype(np.float32), starts
 
 
-def heatmap_z(z) -> list:
-    """A heatmap matrix as the front end receives it: nested lists, log10 counts to 3 decimals, None where empty.
+def heatmap_z(z) -> np.ndarray:
+    """A heatmap matrix as the front end receives it: log10 counts to 3 decimals, None where empty
+    (an object array: plotly sends it with one ``tolist``).
 
     A FigureWidget sends a 2-D array as nested JSON lists, and JSON has no NaN ("Out of range float
     values are not JSON compliant"); None is plotly's gap. Three decimals of log10 are 0.1% of a
     count, finer than any colour step, and keep each message a third of the size.
     """
     z = np.asarray(z, dtype=np.float64)
-    return np.where(np.isnan(z), None, np.round(z, 3)).tolist()
+    return np.where(np.isnan(z), None, np.round(z, 3))
 
 
 def heatmap_figure(counts, steps, format="fp16", log2_scale=0, *, domain: str = "unscaled",
@@ -147,7 +148,8 @@ def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled"
     c, steps, log2s = _check(counts, steps, log2_scale)
     rows = heatmap_rows(c) if rows is None else rows
     z, starts = heatmap_matrix(c, rows) if matrix is None else matrix
-    z = z if isinstance(z, list) else heatmap_z(z)
+    zmax = np.nanmax(z, initial=-1.0) if z.dtype != object else np.max(z, initial=-1.0, where=z != None)  # noqa: E711
+    z = z if z.dtype == object else heatmap_z(z)
     k = np.arange(rows[0], rows[1] + 1) - 128                          # binade exponent of each row
     y = np.where(k == H.BELOW - 128, H.K_MIN - 0.5, k + 0.5)
     heat = fig.data[0]
@@ -158,8 +160,7 @@ def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled"
     window = int(ends[0] - starts[0])
     heat.hovertemplate = (f"step %{{x:.0f}}{f' (sum of {window} steps)' if window > 1 else ''}<br>"
                           "|g| ≈ 2^%{y:.1f}<br>10^%{z:.2f} values<extra></extra>")
-    top = max((max((v for v in row if v is not None), default=-1.0) for row in z), default=-1.0)
-    top = float(np.ceil(top)) if top >= 0 else 1.0
+    top = float(np.ceil(zmax)) if zmax >= 0 else 1.0
     if heat.zmax != max(top, 1.0):           # colour bar ticks: one per decade of counts
         heat.zmax = max(top, 1.0)
         decades = list(range(0, int(heat.zmax) + 1))
