@@ -442,3 +442,19 @@ assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "[info] init_scale_too_high" in out.stdout
+
+
+def test_runs_with_no_steps_no_tensors_or_sparse_histograms_still_get_a_diagnosis():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampviz.Recorder(model, opt, scaler=torch.amp.GradScaler("cpu")) as rec:
+        pass
+    assert rec.run.diagnose()["clean"]
+    # no tensors recorded: the scale trace alone still gives the init_scale finding, counted right
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=25, weights=False, activations=False)
+    assert only(run.diagnose(), "init_scale_too_high")["evidence"]["skipped_at_start"] == leading_run(seen["skipped"])
+    # histograms every 3 steps: skipped steps between them are said to be unexplained, not ignored
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=25, every=3)
+    note = [c for c in run.diagnose()["checks"] if c["check"] == "causes of all skipped steps"]
+    assert note and not note[0]["ran"] and "every=1" in note[0]["why"]
+    assert str(sum(s for i, s in enumerate(seen["skipped"]) if i % 3)) in note[0]["why"]

@@ -68,11 +68,11 @@ def diagnose(run: Run) -> dict:
     return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
                           "precision": facts.precision, "scaler": facts.has_scaler,
                           "skipped": int(run.skipped[0].sum()) if run.n_steps else 0},
-                  "clean": not found, "findings": found, "checks": _checks(facts), "nonfinite_steps": causes,
+                  "clean": not found, "findings": found, "checks": _checks(facts, causes), "nonfinite_steps": causes,
                   "switch": switch_table(facts)})
 
 
-def _checks(facts: Facts) -> list[dict]:
+def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
     run = facts.run
     rows = [("non-finite gradients", run.hist_steps.size > 0, "no histograms recorded"),
             ("forward overflow" if facts.output_rows else "forward overflow (loss only)", True, ""),
@@ -84,4 +84,10 @@ def _checks(facts: Facts) -> list[dict]:
     out = [{"check": name, "ran": bool(ran), "why": "" if ran else why} for name, ran, why in rows]
     if not facts.output_rows:
         out[1]["why"] = "no forward outputs recorded: Recorder(..., outputs=True) names the layer"
+    unseen = [e["step"] for e in causes if e["skipped"] and e["cause"] == "unknown"]
+    if unseen:
+        out.append({"check": "causes of all skipped steps", "ran": False,
+                    "why": f"{len(unseen)} skipped steps have no histograms or no recorded inf/nan (first: "
+                           f"{unseen[:3]}; histograms every {run.meta.get('every', 1)} steps): record every step "
+                           f"(every=1) and all tensors to see their cause"})
     return out

@@ -58,8 +58,10 @@ class _Scales:
     @property
     def trace(self) -> np.ndarray:
         if self._trace is None:
-            rows = self.facts.grad_rows or None
-            trace = trace_from_run(self.run, self.facts.grad_format, tensors=rows)
+            if self.facts.grad_rows:
+                trace = trace_from_run(self.run, self.facts.grad_format, tensors=self.facts.grad_rows)
+            else:                        # no gradient recorded: only which steps overflowed is known
+                trace = np.where(self.skipped, np.inf, 0.0)
             # a step non-finite for another reason than the scale overflows at every scale: inf, not the
             # recorded overflow bound (which a smaller scale would pass)
             for p in np.flatnonzero(self.skipped):
