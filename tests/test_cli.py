@@ -20,6 +20,7 @@ from ampviz.report import (
     representative_steps,
     summary_rows,
     worst_without_scaling,
+    write_report,
 )
 from ampviz.scaler import TorchPolicy, replay
 
@@ -271,6 +272,56 @@ def test_lean_domain_views_equal_run_counts_in(ranks_dir, domain):
     flushed = H.fate(run.counts_in("unscaled"), "fp16", 1.0).fraction("flushed")      # (R, H, T)
     worst, name = worst_without_scaling(run)
     assert worst == flushed.max() and name == run.tensor_names[np.unravel_index(flushed.argmax(), flushed.shape)[2]]
+
+
+def synthetic_run(tensors: int, steps: int = 5) -> ampviz.Run:
+    """One rank, ``tensors`` weight gradients; tensor t loses (t % 7) / 10 of its values to fp16 at scale 1."""
+    counts = np.zeros((1, steps, tensors, H.NBINS), dtype=np.int64)
+    for t in range(tensors):
+        counts[0, :, t, H.column(-10)] = 100 - 10 * (t % 7)
+        counts[0, :, t, H.column(-40)] = 10 * (t % 7)                # 2**-40: flushed by fp16 at scale 1
+    one = np.ones((1, steps))
+    return ampviz.Run(np.arange(steps), one, one, one, one < 0, np.arange(steps), counts,
+                      [f"layer{t}.weight" for t in range(tensors)], ["weight"] * tensors, ["torch.float32"] * tensors,
+                      {"ranks": [0], "world_size": 1, "every": 1})
+
+
+def test_a_run_with_many_tensors_gets_a_tensor_map_and_panels_of_the_worst(tmp_path):
+    from ampviz.report import SMALL_MULTIPLES
+    run = synthetic_run(SMALL_MULTIPLES + 26)
+    path = write_report([run], tmp_path / "many.html")
+    figures = plotly_figures(path.read_text())
+    data, _ = figures["run0-tensor-map"]
+    assert len(data[0]["y"]) == len(run.tensor_names) and data[0]["y"][3] == "3: layer3.weight (weight)"
+    lost = np.array([(t % 7) / 10 for t in range(len(run.tensor_names))])
+    worst = sorted(np.argsort(-lost, kind="stable")[:SMALL_MULTIPLES])
+    data, _ = figures["run0-tensors"]
+    assert [t["name"] for t in data] == [run.tensor_names[i] for i in worst]      # the worst, in recording order
+    assert min(lost[worst]) >= max(np.delete(lost, worst))
+
+
+def test_a_run_without_tensors_or_steps_still_has_an_info_and_a_report(tmp_path, capsys):
+    empty = synthetic_run(0)
+    nothing = dataclasses.replace(synthetic_run(2, steps=0), meta={"ranks": [0]})
+    for name, run in (("empty", empty), ("nothing", nothing)):
+        path = run.save(tmp_path / f"{name}.npz")[0]
+        assert main(["info", str(path)]) == 0
+        assert main(["report", str(path), "-o", str(tmp_path / f"{name}.html")]) == 0
+    out = capsys.readouterr().out
+    assert "tensors     0:" in out or re.search(r"tensors\s+0", out)
+    assert "No tensors were recorded" in (tmp_path / "empty.html").read_text()
+
+
+def test_reports_are_written_readable_by_others_like_run_files(run_path, tmp_path):
+    import os
+    import stat
+    mask = os.umask(0o022)
+    try:
+        out = tmp_path / "shared.html"
+        assert main(["report", str(run_path), "-o", str(out)]) == 0
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644                 # not mkstemp's private 0600
 
 
 # ---------------------------------------------------------------------------- errors

@@ -258,3 +258,34 @@ def test_histogram_title_says_when_values_already_carry_the_loss_scale():
     unscaled = histogram_figure(counts, "fp16", 12, domain="unscaled", title="act").layout.title.text
     assert "as scaled in the run" in scaled and "at loss scale" not in scaled
     assert "at loss scale 2<sup>12</sup>" in unscaled
+
+
+def test_tensor_map_one_row_per_tensor_and_one_set_of_regions():
+    from ampviz.plots import tensor_map_figure
+    c = step_counts(40)                                    # 40 "tensors"
+    names = [f"<b>layer{i}</b>" for i in range(40)]
+    fig = tensor_map_figure(c, names, "fp16", 8)
+    heat = fig.data[0]
+    z = np.asarray(heat.z, dtype=float)
+    cols = np.rint(np.asarray(heat.x) - 0.5).astype(int) + 128                    # binade column of each x
+    with np.errstate(divide="ignore"):
+        expected = np.where(c[:, cols] > 0, np.log10(c[:, cols]), np.nan)
+    np.testing.assert_allclose(z, expected, rtol=1e-6)
+    assert c[:, cols].sum() == c[:, H.BELOW + 1:H.ABOVE].sum()                  # every non-empty binade drawn
+    assert list(heat.y)[:2] == ["0: &lt;b&gt;layer0&lt;/b&gt;", "1: &lt;b&gt;layer1&lt;/b&gt;"]
+    assert len(fig.layout.shapes) == 4
+    lo, hi = fig.layout.xaxis.range
+    a, b = region_edges("fp16", 8)["overflow"]
+    assert named(fig.layout.shapes, "region:overflow").x0 == min(max(a, lo), hi)
+
+
+def test_small_multiples_shorten_long_names_and_escape_them():
+    from ampviz.plots import layer_histograms_figure
+    c = step_counts(3)
+    names = ["model.layers.0.self_attn.q_proj.lora_A.default.weight_and_a_long_tail", "<script>x</script>", "fc"]
+    fig = layer_histograms_figure(c, names, "fp16", 0, cols=3)
+    first, second = fig.layout.annotations[0].text, fig.layout.annotations[1].text
+    assert first.split("<br>")[0] == "<b>model.layers.0.self_a…weight_and_a_long_tail</b>"     # 44 characters
+    assert second.startswith("<b>&lt;script&gt;x&lt;/script&gt;</b><br>flushed")
+    assert names[0] in fig.data[0].hovertemplate and fig.data[0].name == names[0]    # full name on hover
+    assert len(fig.layout.shapes) == 4 * 3
