@@ -308,7 +308,14 @@ class Run:
 
     @classmethod
     def load(cls, path) -> Run:
-        """Load a run file, or a directory of per-rank run files merged along a rank axis."""
+        """Load a run file, or a directory of per-rank run files merged along a rank axis.
+
+        Files are treated as untrusted: only regular files are read, every entry's declared size and
+        shape is checked before it is inflated (at most 2 GiB of arrays per file; set the environment
+        variable ``AMPVIZ_MAX_RUN_BYTES`` to allow more), no pickle is ever loaded, and every field is
+        validated (:meth:`_validate`). Any problem is a :class:`RunFileError` of one line naming the
+        file and the field.
+        """
         path = Path(path)
         if path.is_dir():
             files = sorted(path.glob("*.npz"))
