@@ -18,6 +18,10 @@ wire do not halve unless a communication hook compresses the buckets (for exampl
     >>> plain.sent_dtypes, packed.sent_dtypes, packed.sent_bytes * 2 == plain.sent_bytes
     (['float32'], ['float16'], True)
 
+A hook changes what a ``GradScaler`` sees, too: ``fp16_compress_hook`` casts each bucket to fp16
+*before* dividing by the world size, so scaled gradients that fp32 (or bf16) holds but fp16 does not
+overflow in the cast, and the scaler skips the step. :func:`ddp_scaled_step` shows it.
+
 When no process group exists, a one-process group (gloo on CPU, nccl on CUDA) is created on a
 temporary file store and destroyed afterwards; inside an existing group (e.g. under torchrun)
 that group is used and left alone.
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllReduceLog", "counting_hook", "ddp_allreduce_bytes", "one_process_group"]
+__all__ = ["AllReduceLog", "counting_hook", "ddp_allreduce_bytes", "ddp_scaled_step", "one_process_group"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -51,6 +55,7 @@ class AllReduceLog:
     bucket_bytes: list = field(default_factory=list)
     sent_dtypes: list = field(default_factory=list)     # dtype name of each all-reduced tensor
     sent_bytes: list = field(default_factory=list)
+    bucket_amax: list = field(default_factory=list)     # largest |value| of each bucket buffer (a host sync)
 
 
 def counting_hook(hook, log: AllReduceLog):
@@ -68,6 +73,7 @@ def counting_hook(hook, log: AllReduceLog):
         buffer = bucket.buffer()
         log.bucket_dtypes.append(_dtype_name(buffer.dtype))
         log.bucket_bytes.append(buffer.numel() * buffer.element_size())
+        log.bucket_amax.append(float(buffer.abs().max()))
         real = dist.all_reduce
 
         def recording_all_reduce(tensor, *args, **kwargs):
@@ -158,3 +164,43 @@ def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: t
         del ddp   # release DDP's reducer before the group goes away
     return DDPBytes(grad_dtypes, sorted(set(log.bucket_dtypes)), sorted(set(log.sent_dtypes)),
                     sum(log.bucket_bytes), sum(log.sent_bytes), len(log.bucket_bytes))
+
+
+def ddp_scaled_step(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,
+                    hook=None, autocast_dtype: torch.dtype | None = torch.bfloat16,
+                    init_scale: float = 2.0 ** 16) -> dict:
+    """One DDP step of a copy of ``model`` through a ``GradScaler`` and a communication hook.
+
+    Returns the largest scaled gradient the hook was handed (``bucket_amax``), the dtypes it sent,
+    whether the scaler found inf/nan in the all-reduced gradients and skipped the step, and whether
+    the weights changed. ``hook`` None is ``allreduce_hook`` (DDP's default, in Python).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if autocast_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"autocast_dtype: expected None, torch.float16 or torch.bfloat16, got {autocast_dtype!r}")
+    if not init_scale > 0:
+        raise ValueError(f"init_scale: expected a positive number, got {init_scale!r}")
+    device = inputs.device
+    log = AllReduceLog()
+    with one_process_group(device.type):
+        local = copy.deepcopy(model).to(device)
+        ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None)
+        ddp.register_comm_hook(None, counting_hook(hook or allreduce_hook, log))
+        opt = torch.optim.SGD(local.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
+        before = [p.detach().clone() for p in local.parameters()]
+        with torch.amp.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
+                                enabled=autocast_dtype is not None):
+            loss = loss_fn(ddp(inputs), targets)
+        scaler.scale(loss).backward()                   # the hook runs here, on the scaled gradients
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.get_scale() < init_scale       # the only sign of a skip (a host sync)
+        changed = any(not torch.equal(b, p.detach()) for b, p in zip(before, local.parameters()))
+        del ddp
+    return {"bucket_amax": max(log.bucket_amax), "sent_dtypes": sorted(set(log.sent_dtypes)),
+            "skipped": skipped, "weights_changed": changed}

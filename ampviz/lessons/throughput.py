@@ -10,6 +10,11 @@ Whether 16-bit arithmetic is faster depends on the hardware, so measure instead 
     >>> rows[0].gflops > 0
     True
 
+The same product can run different kernels: ``nn.Linear`` computes ``x @ W.T`` on a transposed view
+of its weight, and on some CPUs that layout picks a much faster 16-bit kernel than ``a @ b`` on two
+row-major matrices. ``matmul_throughput(..., transpose_b=True)`` times that layout, and
+:func:`cast_seconds` times the cast autocast adds, so a lesson can tell the two effects apart.
+
 On GPUs, 16-bit matrix multiplies run on Tensor Cores (fp16 since Volta, bf16 since Ampere). On
 CPUs, bf16 is fast only with AVX512-BF16 or AMX instructions and fp16 only with AMX-FP16 or
 AVX512-FP16; :func:`cpu_features` reports which of these flags this CPU has.
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import benchmark
 
-__all__ = ["Throughput", "matmul_throughput", "linear_throughput", "cpu_features", "DEFAULT_N"]
+__all__ = ["Throughput", "matmul_throughput", "linear_throughput", "cast_seconds", "cpu_features", "DEFAULT_N"]
 
 DEFAULT_N = {"cpu": 256, "cuda": 4096}          # big enough to measure, small enough for a lesson
 _CPU_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
@@ -76,7 +81,7 @@ def _measure_interleaved(cases, label, shape, flops, min_run_time, rounds):
 
 
 def matmul_throughput(device, dtypes=(torch.float32, torch.bfloat16, torch.float16), n: int | None = None,
-                      min_run_time: float = 0.3, rounds: int = 3) -> list[Throughput]:
+                      min_run_time: float = 0.3, rounds: int = 3, transpose_b: bool = False) -> list[Throughput]:
     """Time ``a @ b`` for square ``n x n`` matrices stored in each dtype.
 
     Parameters
@@ -86,6 +91,7 @@ def matmul_throughput(device, dtypes=(torch.float32, torch.bfloat16, torch.float
     n : matrix size; default ``DEFAULT_N[device.type]``.
     min_run_time : seconds of timing per dtype, split over ``rounds`` interleaved rounds
         (``Timer.blocked_autorange`` each); the fastest round is kept.
+    transpose_b : time ``a @ b.T`` instead (``b.T`` a transposed view: ``nn.Linear``'s layout).
     """
     device = _check(device, dtypes, min_run_time, rounds)
     n = DEFAULT_N[device.type] if n is None else n
@@ -96,7 +102,7 @@ def matmul_throughput(device, dtypes=(torch.float32, torch.bfloat16, torch.float
     for dt in dtypes:
         a = torch.randn(n, n, device=device, generator=gen).to(dt)
         b = torch.randn(n, n, device=device, generator=gen).to(dt)
-        cases.append((_name(dt), "a @ b", {"a": a, "b": b}))
+        cases.append((_name(dt), "a @ b.T" if transpose_b else "a @ b", {"a": a, "b": b}))
     return _measure_interleaved(cases, "matmul", f"{n}x{n}", 2.0 * n ** 3, min_run_time, rounds)
 
 
@@ -122,6 +128,16 @@ def linear_throughput(device, autocast_dtypes=(None, torch.bfloat16, torch.float
                "on": dt is not None}) for dt in autocast_dtypes]
     return _measure_interleaved(cases, "linear", f"{batch}x{features}", 2.0 * batch * features ** 2,
                                 min_run_time, rounds)
+
+
+def cast_seconds(device, dtype: torch.dtype, shape=None, min_run_time: float = 0.1) -> float:
+    """Median seconds of ``w.to(dtype)`` for an fp32 ``w`` of ``shape`` (default ``n x n``): the cast
+    autocast performs on a weight each time a 16-bit op uses it."""
+    device = _check(device, [dtype], min_run_time, 1)
+    n = DEFAULT_N[device.type]
+    w = torch.randn(*(shape or (n, n)), device=device)
+    timer = benchmark.Timer(stmt="w.to(dt)", globals={"w": w, "dt": dtype}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median   # synchronises CUDA
 
 
 def cpu_features() -> dict[str, bool]:

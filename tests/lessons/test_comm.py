@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 
 from ampviz.examples.models import MLP
-from ampviz.lessons.comm import AllReduceLog, counting_hook, ddp_allreduce_bytes, one_process_group
+from ampviz.lessons.comm import AllReduceLog, counting_hook, ddp_allreduce_bytes, ddp_scaled_step, one_process_group
 
 
 @pytest.fixture
@@ -90,3 +90,18 @@ def test_bad_arguments_are_named(setup):
         ddp_allreduce_bytes(None, x, y, F.cross_entropy)
     with pytest.raises(ValueError, match="autocast_dtype"):
         ddp_allreduce_bytes(model, x, y, F.cross_entropy, autocast_dtype=torch.float32)
+
+
+def test_fp16_compression_overflows_scaled_gradients_that_fp32_and_bf16_hold(setup):
+    model, x, y, _ = setup
+    steps = {name: ddp_scaled_step(model, x, y, F.cross_entropy, hook=hook, init_scale=2.0 ** 24)
+             for name, hook in (("default", None), ("fp16", fp16_compress_hook), ("bf16", bf16_compress_hook))}
+    assert steps["fp16"]["bucket_amax"] > torch.finfo(torch.float16).max          # the scaled gradients
+    assert not steps["default"]["skipped"] and steps["default"]["weights_changed"]
+    assert steps["fp16"]["skipped"] and not steps["fp16"]["weights_changed"]      # inf after the cast: skipped
+    assert not steps["bf16"]["skipped"] and steps["bf16"]["sent_dtypes"] == ["bfloat16"]
+    small = ddp_scaled_step(model, x, y, F.cross_entropy, hook=fp16_compress_hook, init_scale=1.0)
+    assert small["bucket_amax"] < 1.0 and not small["skipped"]                    # in range: no skip
+    with pytest.raises(ValueError, match="init_scale"):
+        ddp_scaled_step(model, x, y, F.cross_entropy, init_scale=0.0)
+    assert not dist.is_initialized()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ampviz.lessons.throughput import cpu_features, linear_throughput, matmul_throughput
+from ampviz.lessons.throughput import cast_seconds, cpu_features, linear_throughput, matmul_throughput
 
 
 def test_matmul_rates_are_flops_over_the_median_time():
@@ -13,6 +13,17 @@ def test_matmul_rates_are_flops_over_the_median_time():
         assert r.shape == "64x64" and r.flops == 2 * 64 ** 3
         assert r.median_s == r.measurement.median > 0
         assert r.gflops == pytest.approx(r.flops / r.median_s / 1e9)
+
+
+def test_transposed_layout_times_a_at_b_transposed():
+    rows = matmul_throughput("cpu", dtypes=(torch.float32,), n=32, min_run_time=0.02, rounds=1, transpose_b=True)
+    assert rows[0].measurement.task_spec.stmt == "a @ b.T" and rows[0].flops == 2 * 32 ** 3
+
+
+def test_cast_seconds_times_the_cast_of_a_weight():
+    assert 0 < cast_seconds("cpu", torch.float16, shape=(64, 64), min_run_time=0.02) < 1
+    with pytest.raises(ValueError, match="dtypes"):
+        cast_seconds("cpu", torch.int8)
 
 
 def test_linear_runs_under_autocast_in_the_requested_dtype():
