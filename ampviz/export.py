@@ -53,6 +53,7 @@ def log2_buckets(row):
     ``np.histogram`` convention). Only the span from the first to the last non-empty binade is kept.
 
     >>> import numpy as np, ampviz.histogram as H
+    >>> from ampviz.export import log2_buckets
     >>> row = np.zeros(H.NBINS, dtype=np.int64); row[H.column(-3)] = 2; row[H.column(-1)] = 5; row[H.ZERO] = 9
     >>> edges, counts = log2_buckets(row)
     >>> edges.tolist(), counts.tolist()          # (2^-3, 2^-2]: 2 values, (2^-1, 2^0]: 5 values

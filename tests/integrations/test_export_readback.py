@@ -140,10 +140,12 @@ def test_cli_export_errors_are_one_line(tmp_path, fp16_run, capsys):
 
 def test_live_export_writes_each_step_once(tmp_path, fp16_run):
     live = LiveExport(tmp_path / "tb")
-    first = dataclasses.replace(fp16_run, steps=fp16_run.steps[:3], loss=fp16_run.loss[:, :3],
-                                loss_scale=fp16_run.loss_scale[:, :3], next_scale=fp16_run.next_scale[:, :3],
-                                skipped=fp16_run.skipped[:, :3], hist_steps=fp16_run.hist_steps[:3],
-                                counts=fp16_run.counts[:, :3])
+    cut = {name: getattr(fp16_run, name)[..., :3] for name in ("steps", "loss", "loss_scale", "next_scale",
+                                                               "skipped", "hist_steps", "scheduler_steps")
+           if getattr(fp16_run, name) is not None}
+    cut.update({name: getattr(fp16_run, name)[:, :3] for name in ("counts", "grad_order")
+                if getattr(fp16_run, name) is not None})
+    first = dataclasses.replace(fp16_run, **cut)                  # the run as it was three steps in
     assert live.update(first) == 3
     assert live.update(fp16_run) == fp16_run.n_steps - 3
     assert live.update(fp16_run) == 0

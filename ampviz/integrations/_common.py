@@ -1,0 +1,108 @@
+"""What the framework callbacks share: checking Recorder options early, and one recording session
+(the Recorder, the loss of the current optimizer step, the live export)."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+from .._args import check_int
+from .._warnings import AmpvizWarning
+from ..export import LiveExport
+from ..record import Recorder
+
+_GIVEN = ("self", "model", "optimizer", "scaler", "path")     # filled in from what the framework holds
+# (the Recorder unwraps accelerate's AcceleratedOptimizer / AcceleratedScheduler and Lightning's LightningOptimizer)
+
+
+# accelerate (1.15) enables fp16 autocast and a GradScaler only off the CPU (Accelerator.__init__)
+FP16_ON_CPU = ("holds no GradScaler on this CPU: accelerate enables fp16 autocast and a GradScaler only off the "
+               "CPU, so this run trains in fp32 (loss scale 1, no skipped steps); use bf16 on a CPU")
+
+
+def recorder_option_names() -> list[str]:
+    return [n for n in inspect.signature(Recorder.__init__).parameters if n not in _GIVEN]
+
+
+def check_recorder_options(options: dict, where: str) -> dict:
+    """Fail at construction, not at the first training step, on an option the Recorder does not take."""
+    unknown = sorted(set(options) - set(recorder_option_names()))
+    if unknown:
+        raise TypeError(f"{where}: unknown Recorder option(s) {unknown}; valid: {recorder_option_names()}")
+    return options
+
+
+class Session:
+    """One recording: a Recorder entered at the start of training, stepped once per optimizer step with
+    the step's loss (summed over its micro-batches), exported live every ``export_every`` steps, closed
+    (hooks removed, run saved and exported) at the end."""
+
+    def __init__(self, where: str, path, options: dict, tensorboard, wandb, export_every, domain: str):
+        self.where, self.path, self.options = where, path, check_recorder_options(options, where)
+        if export_every is not None:
+            check_int("export_every", export_every, low=1)
+        self.export_every, self.tensorboard, self.wandb, self.domain = export_every, tensorboard, wandb, domain
+        LiveExport(tensorboard, wandb, domain=domain)            # checks the export arguments now
+        self.recorder: Recorder | None = None
+        self.live: LiveExport | None = None
+        self.run = None                                          # the last finished recording
+        self._loss, self._steps, self._warned = None, 0, set()
+
+    def start(self, model, optimizer, scaler, scheduler, default_export_every: int) -> Recorder:
+        """Enter a Recorder on what the framework holds; ``scheduler`` unless the options name one."""
+        self.close()                             # a second trainer.fit()/train() starts a new recording
+        world, rank = _dist_info()
+        options = {"scheduler": scheduler, **self.options}
+        self.recorder = Recorder(model, optimizer, scaler=scaler, path=self.path, **options)
+        self.live = LiveExport(self.tensorboard, self.wandb, domain=self.domain, rank=rank, world=world)
+        self._every = self.export_every or default_export_every
+        self._loss, self._steps = None, 0
+        self.recorder.__enter__()
+        return self.recorder
+
+    @property
+    def open(self) -> bool:
+        return self.recorder is not None
+
+    def add_loss(self, loss) -> None:
+        """Add one micro-batch's share of the step's loss (a tensor stays on its device: no sync)."""
+        if loss is None:
+            return
+        loss = loss.detach().reshape(()).float() if isinstance(loss, torch.Tensor) else float(loss)
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def step(self) -> None:
+        """The optimizer step (and ``scaler.update()``) is done: record it."""
+        if self.recorder is None:
+            return
+        self.recorder.step(self._loss)
+        self._loss, self._steps = None, self._steps + 1
+        if self.live.enabled and self.recorder.enabled and self._steps % self._every == 0:
+            self.live.update(self.recorder.run)          # a snapshot: one host copy of what was recorded
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"{self.where}: {message}", AmpvizWarning, stacklevel=3)
+
+    def close(self) -> None:
+        """Remove the hooks, save the run (if ``path``), write what the live export has not written yet."""
+        rec, live = self.recorder, self.live
+        self.recorder = self.live = None
+        if rec is None:
+            return
+        try:
+            rec.close()
+            self.run = rec.run if rec.enabled else None
+            if live.enabled and self.run is not None:
+                live.update(self.run)
+        finally:
+            live.close()
+
+
+def _dist_info() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
