@@ -156,7 +156,7 @@ class Recorder:
     def _modules_for(self, spec, argname: str) -> list:
         chosen = select(named_modules(self.model), spec, argname, default=self._default_modules)
         chosen, replaced = attention_in_place_of_out_proj(self.model, chosen, argname)
-        if replaced and spec is not True:
+        if replaced and spec is not True and self.enabled:
             warnings.warn(f"{argname}: nn.MultiheadAttention never calls its out_proj ({', '.join(replaced[:3])}); "
                           f"recording the attention module's output instead (the same tensor)", AmpvizWarning,
                           stacklevel=3)
@@ -165,13 +165,14 @@ class Recorder:
         hit = [n for n, m in chosen if id(m) in inside]
         if not hit:
             return chosen
-        if spec is not True:
+        if spec is not True or argname == "outputs":         # asked for, not the default: refuse
             raise ValueError(f"{argname}: {len(hit)} chosen modules run inside torch.compile ({', '.join(hit[:3])}); "
                              f"a hook on them would add graph breaks and change the compiled training. Record "
                              f"the model without torch.compile, or pass {argname}=False (weights are still recorded)")
-        warnings.warn(f"{argname}: the model runs under torch.compile, where a hook on its modules would add graph "
-                      f"breaks and change training, so {argname} are not recorded for {len(hit)} modules (weight "
-                      f"gradients still are); pass {argname}=False to say so", AmpvizWarning, stacklevel=3)
+        if self.enabled:
+            warnings.warn(f"{argname}: the model runs under torch.compile, where a hook on its modules would add "
+                          f"graph breaks and change training, so {argname} are not recorded for {len(hit)} modules "
+                          f"(weight gradients still are); pass {argname}=False to say so", AmpvizWarning, stacklevel=3)
         return [(n, m) for n, m in chosen if id(m) not in inside]
 
     # ------------------------------------------------------------------ context manager
@@ -225,7 +226,7 @@ class Recorder:
         self._run = self._build_run(final=True)
         if not failing:
             self._checks.at_close(self._step, self._capture.total_optimizer_steps, self._forwards)
-            problems = self._model_changes()
+            problems = [p for p in self._model_changes() if p not in self._changes_seen]
             if problems:
                 warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those rows "
                               f"stopped filling", AmpvizWarning, stacklevel=3)
@@ -275,7 +276,7 @@ class Recorder:
                                 self._ddp)
         self._counter.target = self._store.slot()
         self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params))
-        self._step, self._forwards = 0, 0
+        self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._created = time.time()
         # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
@@ -304,7 +305,7 @@ class Recorder:
             capture.finish_step()
             self._store.end_row(self._step, capture.order, self._counter)
         if self._step == 0:
-            problems = self._model_changes()
+            problems = self._changes_seen = self._model_changes()
             if problems:
                 warnings.warn(f"Recorder: the model changed after `with recorder:` began ({'; '.join(problems[:4])}): "
                               f"those rows do not fill", AmpvizWarning, stacklevel=2)

@@ -46,3 +46,53 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+# ----------------------------------------------------------------------------- under torchrun: BERT + no_sync
+def bert_run(out_dir, steps=3, accum=2):
+    """Train a small random-init BERT with DDP, accumulation and no_sync, without and then with a Recorder
+    (and without again); write each rank's final weights and torch's thread counts."""
+    import json
+
+    from transformers import BertConfig, BertForSequenceClassification
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    threads = {"start": torch.get_num_threads()}
+    try:
+        finals = []
+        for record in (False, True, False):
+            torch.manual_seed(0)                              # the same weights and dropout masks each time
+            config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=256, max_position_embeddings=64, num_labels=3)
+            ddp = nn.parallel.DistributedDataParallel(BertForSequenceClassification(config))
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(10 + rank)
+            rec = ampviz.Recorder(ddp, opt, enabled=record)
+            with rec:
+                for _ in range(steps):
+                    for micro in range(accum):
+                        ids, y = torch.randint(0, 128, (8, 32), generator=g), torch.randint(0, 3, (8,), generator=g)
+                        with ddp.no_sync() if micro < accum - 1 else _null():
+                            loss = ddp(input_ids=ids, labels=y).loss / accum
+                            loss.backward()
+                            if record:
+                                threads.setdefault("inside", set()).add(torch.get_num_threads())
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    rec.step(loss)
+            if record:
+                threads["rows_filled"] = int((rec.run.counts[0].sum(axis=-1) > 0).all(axis=0).sum())
+                threads["rows"] = len(rec.run.tensor_names)
+            finals.append([p.detach().clone() for p in ddp.module.parameters()])
+        threads["after"] = torch.get_num_threads()
+        threads["inside"] = sorted(threads.get("inside", []))
+        torch.save(finals, os.path.join(out_dir, f"bert{rank}.pt"))
+        with open(os.path.join(out_dir, f"threads{rank}.json"), "w") as f:
+            json.dump(threads, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+    bert_run(sys.argv[1])

@@ -1,0 +1,76 @@
+"""The Recorder on a torch.compile'd model (issue 10, defect 2): no graph breaks added, the same final
+weights as the compiled run without it, names without ``_orig_mod``, activation capture off with a warning
+(or refused when asked for explicitly), never a silent change to training."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampviz
+from ampviz._warnings import AmpvizWarning
+
+pytestmark = pytest.mark.slow          # inductor compiles on the CPU (about 40 s the first time)
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+def train_compiled(record: bool, backend="inductor", **options):
+    """(final weights, Dynamo's graph-break counters, the recorder) of 4 compiled bf16 AdamW steps."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = build()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    rec = ampviz.Recorder(compiled, opt, enabled=record, **options)
+    with rec:
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(compiled(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    breaks = sum(counters["graph_break"].values())
+    return [p.detach().clone() for p in model.parameters()], breaks, rec
+
+
+def test_compiled_training_is_unchanged_and_activations_are_switched_off_with_a_warning():
+    base, base_breaks, _ = train_compiled(False)
+    with pytest.warns(AmpvizWarning, match="runs under torch.compile.*activations are not recorded"):
+        weights, breaks, rec = train_compiled(True)
+    assert breaks == base_breaks == 0
+    assert all(torch.equal(a, b) for a, b in zip(base, weights))
+    run = rec.run
+    assert run.tensor_names == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+    assert (run.counts[0].sum(axis=-1) == [[p.numel() for p in build().parameters()]] * 4).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # activations=False: said so, no warning
+        weights, breaks, _ = train_compiled(True, activations=False)
+    assert breaks == 0 and all(torch.equal(a, b) for a, b in zip(base, weights))
+
+
+def test_asking_for_activations_of_a_compiled_model_is_an_error():
+    compiled = torch.compile(build())
+    with pytest.raises(ValueError, match=r"activations: 2 chosen modules run inside torch.compile \(0, 3\)"):
+        ampviz.Recorder(compiled, activations=["0", "3"])
+    with pytest.raises(ValueError, match="outputs: .* run inside torch.compile"):
+        ampviz.Recorder(compiled, activations=False, outputs=True)
+
+
+def test_a_compiled_block_keeps_its_name_and_the_rest_is_recorded():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[2] = torch.compile(model[2], backend="aot_eager")
+    with pytest.warns(AmpvizWarning, match="not recorded for 1 modules"):
+        rec = ampviz.Recorder(model)
+    assert rec.tensor_names == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias", "0", "3"]
