@@ -13,6 +13,7 @@ throughput         matmul speed per dtype, measured                             
 memory             the bytes of one training step; MemoryExplorer               02
 comm               what DDP's all-reduce sends, per bucket                      02
 autocast_ops       every aten op and its dtype under autocast; AutocastExplorer 03, 04, 07
+autocast_placement backward / optimizer / custom Functions in or out of autocast   04
 dataflow           the dtype on each arrow of one mixed-precision step          07
 rounding           weight updates lost to rounding; UpdateExplorer              07, 08
 underflow          captured gradients and the loss scales that save them       05, 06, 08
