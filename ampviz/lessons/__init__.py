@@ -4,21 +4,21 @@ Each module holds its topic's computation, figure and widget together, and names
 use it. The classroom imports the practitioner core (``ampviz``, ``ampviz.plots``, ``ampviz.widgets``,
 ``ampviz.examples``); the core never imports the classroom. Install it with ``pip install "ampviz[lessons]"``.
 
-=================  ==========================================================  =============
-module             topic                                                       lessons
-=================  ==========================================================  =============
-bits               sign / exponent / mantissa of a value; DtypeExplorer        01
-spacing            the gap between neighbouring values, per binade             01, 08
-throughput         matmul speed per dtype, measured                             02
-memory             the bytes of one training step; MemoryExplorer               02
-comm               what DDP's all-reduce sends, per bucket                      02
-autocast_ops       every aten op and its dtype under autocast; AutocastExplorer 03, 04, 07
-autocast_placement backward / optimizer / custom Functions in or out of autocast   04
-dataflow           the dtype on each arrow of one mixed-precision step          07
-rounding           weight updates lost to rounding; UpdateExplorer              07, 08
-underflow          captured gradients and the loss scales that save them       05, 06, 08
-format_ranges      one histogram against fp16 / bf16 / fp8 side by side         08
-clipping           clipping before or after unscale_; ClipOrderExplorer         09
-sampler            what DistributedSampler hands each rank; SamplerExplorer     10, 11
-=================  ==========================================================  =============
+==================  =============================================================  ==========
+module              topic                                                          lessons
+==================  =============================================================  ==========
+bits                sign / exponent / mantissa of a value; DtypeExplorer           01
+spacing             the gap between neighbouring values, per binade                01, 08
+throughput          matmul speed per dtype, measured                               02
+memory              the bytes of one training step; MemoryExplorer                 02
+comm                what DDP's all-reduce sends, per bucket                        02
+autocast_ops        every aten op and its dtype under autocast; AutocastExplorer   03, 04, 07
+autocast_placement  backward / optimizer / custom Functions in or out of autocast  04
+dataflow            the dtype on each arrow of one mixed-precision step            07
+rounding            weight updates lost to rounding; UpdateExplorer                07, 08
+underflow           captured gradients and the loss scales that save them          05, 06, 08
+format_ranges       one histogram against fp16 / bf16 / fp8 side by side           08
+clipping            clipping before or after unscale_; ClipOrderExplorer           09
+sampler             what DistributedSampler hands each rank; SamplerExplorer       10, 11
+==================  =============================================================  ==========
 """
