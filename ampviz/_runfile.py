@@ -40,6 +40,7 @@ OPTIONAL_ARRAYS = ("grad_order", "scheduler_steps")    # written when recorded; 
 _META_BYTES = 64 << 20           # the JSON metadata: names of a few hundred thousand tensors
 _CHUNK = 4 << 20                 # inflate at most this much at a time into the array's own buffer
 _DEFAULT_RUN_BYTES = 2 << 30     # 8x a Recorder's default max_bytes of histograms
+_MAX_ENTRIES = 1000              # zip entries a run file may list (it has about ten)
 # what each entry may hold (numpy dtype kinds) and the dtype it is loaded as
 _KINDS = {"steps": ("iu", np.int64, "integer step numbers"), "hist_steps": ("iu", np.int64, "integer step numbers"),
           "loss": ("fiu", np.float64, "real numbers"), "loss_scale": ("fiu", np.float64, "real numbers"),
@@ -99,6 +100,7 @@ def read(path: Path) -> tuple[dict, dict]:
     """(arrays, metadata) of one run file, checked; raises RunFileError saying which file and what."""
     path = Path(path)
     with _open_regular(path) as f:
+        _check_directory(path, f)
         try:
             archive = zipfile.ZipFile(f)
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as e:
@@ -127,6 +129,32 @@ def _open_regular(path: Path):
     if hasattr(os, "set_blocking"):
         os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def _check_directory(path: Path, f) -> None:
+    """Refuse a zip whose central directory is larger than a run file's could be, before zipfile parses
+    it into one Python object per entry (a few MB of directory can list millions of entries)."""
+    try:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - (1 << 16) - 22, 0))
+        tail = f.read()
+    except OSError:
+        return                                        # zipfile reports the unreadable file
+    at = tail.rfind(b"PK\x05\x06")                  # end of central directory record
+    if at < 0 or len(tail) < at + 22:
+        return                                        # not a zip: zipfile says so
+    entries, directory = int.from_bytes(tail[at + 10:at + 12], "little"), int.from_bytes(tail[at + 12:at + 16],
+                                                                                         "little")
+    locator = tail.rfind(b"PK\x06\x07", 0, at)          # zip64: the real counts are in the zip64 record
+    if locator >= 0 and (entries == 0xFFFF or directory == 0xFFFFFFFF):
+        f.seek(int.from_bytes(tail[locator + 8:locator + 16], "little"))
+        record = f.read(56)
+        if record[:4] == b"PK\x06\x06":
+            entries, directory = int.from_bytes(record[32:40], "little"), int.from_bytes(record[40:48], "little")
+    f.seek(0)
+    if entries > _MAX_ENTRIES or directory > _MAX_ENTRIES * 1024:
+        raise RunFileError(f"{path}: not an ampviz run (its zip directory lists {entries} entries in "
+                           f"{_size(directory)}; a run file has about ten)")
 
 
 def _read_archive(path: Path, archive: zipfile.ZipFile) -> tuple[dict, dict]:
