@@ -6,9 +6,10 @@
 
 Builds a synthetic Run of the requested size (counts arrays of the real shape and dtype:
 (ranks, histogram steps, tensors, 257) int64, histograms every ``every`` steps where a Recorder with
-its default ``max_bytes`` would end (every step up to 256 MiB per rank, then every 2nd, 4th, ...); half weight gradients stored unscaled, half activation
-gradients stored scaled; the loss scale is a real TorchPolicy replay over the run's own maxima),
-constructs each widget, then sets each control many times and prints the median and maximum time
+its default ``max_bytes`` would end (every step up to 256 MiB per rank, then every 2nd, 4th, ...);
+half weight gradients stored unscaled, half activation gradients stored scaled; the loss scale is
+a real TorchPolicy replay over the run's own maxima), constructs each widget, then sets each
+control many times and prints the median and maximum time
 of one update: the observer, the in-place figure changes inside ``batch_update`` and the widget
 state serialisation ipywidgets does on every change. The browser's redraw is not included.
 
