@@ -59,6 +59,8 @@ class Oracle(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kw):
         for name in self.modules:
             model.get_submodule(name).register_forward_hook(self._forward(name))
+        self.model_losses, self._losses = [], []           # the loss each micro-batch's forward returned
+        model.register_forward_hook(lambda m, i, out: self._losses.append(out.loss.item()) if m.training else None)
 
     def _forward(self, name):
         def hook(module, inputs, output):
@@ -72,7 +74,8 @@ class Oracle(TrainerCallback):
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         self.acts.append(self._act)
-        self._act = {}
+        self.model_losses.append(self._losses)
+        self._act, self._losses = {}, []
         self.scales.append(optimizer.scaler.get_scale() if optimizer.scaler is not None else 1.0)
         self.accelerate_skipped.append(optimizer.step_was_skipped)
 
@@ -98,6 +101,10 @@ def test_records_the_trainer_with_accumulation_against_an_oracle(tmp_path):
     run = callback.run
     assert_matches_oracle(run, oracle, trainer)
     assert run.tensor_dtypes[run.tensor_index("classifier")] == "torch.bfloat16"    # bf16 autocast on the CPU
+    # transformers 5.24 divides by the accumulation steps only for models without loss kwargs; BERT's
+    # classifier takes **kwargs but ignores num_items_in_batch, so its step loss is the micro-batches' sum
+    assert trainer.model_accepts_loss_kwargs
+    np.testing.assert_allclose(run.loss[0], [sum(losses) for losses in oracle.model_losses], rtol=1e-5)
     per_step = run.counts.sum(axis=-1)[0, :, run.tensor_index("classifier")]
     assert (per_step == 3 * 4 * 3).all()                   # 3 micro-batches x 4 examples x 3 labels per step
     again = ampviz.Run.load(tmp_path / "hf.npz")
