@@ -10,13 +10,15 @@ Each problem is one short phrase starting with the field it is about::
 
 from __future__ import annotations
 
+import warnings
 from functools import reduce
 from numbers import Integral, Real
 
 import numpy as np
 
 from ._binning import NBINS
-from ._runfile import _show
+from ._runfile import RunFileError, _show
+from ._warnings import AmpvizWarning
 
 # what a counts row holds: a parameter's gradient (after all-reduce, unscaled), the gradient w.r.t. a
 # module's output (scaled), a parameter's local gradient before DDP's all-reduce (scaled), a module's
@@ -195,6 +197,28 @@ def problem_text(problems: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------- merging ranks
+def aligned_steps(runs) -> tuple:
+    """(steps, hist_steps) every rank recorded; warns when a rank loses some, refuses when none are shared."""
+    out = []
+    for attr, what in (("steps", "steps"), ("hist_steps", "histogram steps")):
+        common = common_steps(runs, attr)
+        if all(np.array_equal(getattr(r, attr), common) for r in runs):
+            out.append(common)
+            continue
+        which = "; ".join(describe_steps(r, attr) for r in runs)
+        if common.size == 0 and all(np.size(getattr(r, attr)) for r in runs):
+            raise RunFileError(f"merge: the ranks share no recorded {what} ({which}): they do not come from "
+                               "one run, or were recorded with settings that do not line up")
+        if all(is_prefix(r, attr, common) for r in runs):
+            warnings.warn(f"ranks recorded different numbers of {what}; keeping the first {common.size} "
+                          f"(a rank may have stopped early): {which}", AmpvizWarning, stacklevel=4)
+        else:
+            warnings.warn(f"ranks recorded different {what} ({which}); keeping the {common.size} {what} "
+                          "every rank recorded", AmpvizWarning, stacklevel=4)
+        out.append(common)
+    return out[0], out[1]
+
+
 def common_steps(runs, attr: str) -> np.ndarray:
     """Steps (``"steps"`` or ``"hist_steps"``) that every run recorded."""
     return reduce(np.intersect1d, [np.asarray(getattr(r, attr)) for r in runs])

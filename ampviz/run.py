@@ -350,7 +350,7 @@ class Run:
             if r.meta.get("domains", {}) != first.meta.get("domains", {}):
                 raise RunFileError(f"merge: rank {r.ranks[0]} stored its counts in other domains than rank "
                                    f"{ranks[0]}: {r.meta.get('domains')} vs {first.meta.get('domains')}")
-        steps, hist_steps = cls._aligned_steps(runs)
+        steps, hist_steps = checks.aligned_steps(runs)
         world = first.meta.get("world_size", len(runs))
         if len(runs) < world:
             warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=2)
@@ -370,28 +370,6 @@ class Run:
                    cat("skipped", "steps"), hist_steps, cat("counts", "hist_steps"), first.tensor_names,
                    first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", "hist_steps"),
                    scheduler_steps=cat("scheduler_steps", "steps"))
-
-    @staticmethod
-    def _aligned_steps(runs) -> tuple:
-        """(steps, hist_steps) every rank recorded; warns when a rank loses some, refuses when none are shared."""
-        out = []
-        for attr, what in (("steps", "steps"), ("hist_steps", "histogram steps")):
-            common = checks.common_steps(runs, attr)
-            if all(np.array_equal(getattr(r, attr), common) for r in runs):
-                out.append(common)
-                continue
-            which = "; ".join(checks.describe_steps(r, attr) for r in runs)
-            if common.size == 0 and all(np.size(getattr(r, attr)) for r in runs):
-                raise RunFileError(f"merge: the ranks share no recorded {what} ({which}): they do not come from "
-                                   "one run, or were recorded with settings that do not line up")
-            if all(checks.is_prefix(r, attr, common) for r in runs):
-                warnings.warn(f"ranks recorded different numbers of {what}; keeping the first {common.size} "
-                              f"(a rank may have stopped early): {which}", AmpvizWarning, stacklevel=3)
-            else:
-                warnings.warn(f"ranks recorded different {what} ({which}); keeping the {common.size} {what} "
-                              "every rank recorded", AmpvizWarning, stacklevel=3)
-            out.append(common)
-        return out[0], out[1]
 
     def _rank_payload(self, i: int):
         """(arrays, meta) of rank index ``i``, as one run file stores them."""
