@@ -118,6 +118,16 @@ def test_a_failing_fit_removes_the_hooks_and_saves_what_was_recorded(tmp_path):
     assert saved.n_steps == 5 and callback.recorder is None
 
 
+class FusedClassifier(Classifier):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_a_fused_optimizer_under_a_grad_scaler_is_flagged():
+    with pytest.warns(ampviz.AmpvizWarning, match="fused"):
+        fit([AmpvizCallback()], "16-mixed", module=FusedClassifier(), max_steps=1)
+
+
 def test_16_mixed_on_the_cpu_is_bf16_unless_the_plugin_is_given():
     with pytest.warns(UserWarning, match="bf16-mixed"):
         trainer = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)
