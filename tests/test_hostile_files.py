@@ -345,12 +345,10 @@ def test_info_json_is_strict_json_even_with_non_finite_numbers(tmp_path, capsys)
 
 
 def test_info_piped_into_head_exits_quietly(tmp_path):
+    """``ampviz info RUN | head -1`` with the race forced: head has gone before ampviz writes a byte."""
     path = good_run().save(tmp_path / "run.npz")[0]
-    done = subprocess.run(["bash", "-c", f'"{sys.executable}" -m ampviz info "{path}" "{path}" "{path}" | head -1'],
-                          capture_output=True, text=True, timeout=120)
-    assert done.stdout == f"{path}\n" and done.stderr == ""
     read, write = os.pipe()
-    os.close(read)                                    # the reader is gone before ampviz writes a byte
+    os.close(read)
     try:
         done = subprocess.run([sys.executable, "-m", "ampviz", "info", str(path)], stdout=write,
                               stderr=subprocess.PIPE, text=True, timeout=120)
