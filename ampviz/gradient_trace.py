@@ -50,7 +50,8 @@ def trace_from_run(run: Run, format="fp16", rank=None, tensors=None, *, return_r
     format : the format the scaled gradients were computed in (its overflow threshold is used
         for steps that overflowed).
     rank : which rank (default: the first).
-    tensors : names or indices of the tensors to take the maximum over (default: all).
+    tensors : names or indices of the tensors to take the maximum over (default: every gradient row, i.e. all
+        but forward outputs).
     return_rules : also return, per step, the index into ``TRACE_RULES`` of the rule used.
 
     Returns
@@ -61,7 +62,10 @@ def trace_from_run(run: Run, format="fp16", rank=None, tensors=None, *, return_r
         raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
     fmt = get_format(format)
     r = run.rank_index(run.ranks[0] if rank is None else rank)
-    idx = list(range(len(run.tensor_names))) if tensors is None else [run.tensor_index(t) for t in tensors]
+    if tensors is None:        # every gradient row; forward outputs ("output" rows) are not gradients
+        idx = [t for t, kind in enumerate(run.tensor_kinds) if kind != "output"]
+    else:
+        idx = [run.tensor_index(t) for t in tensors]
     if not idx:
         raise ValueError("tensors: the selection is empty")
     scale, skipped, loss = run.loss_scale[r], run.skipped[r].astype(bool), run.loss[r]

@@ -141,9 +141,12 @@ class Run:
         return self.meta.get("domains", {}).get(kind, "unscaled")
 
     def _shift_sign(self, t: int, domain: str) -> int:
-        """0 if tensor index ``t`` is stored in ``domain``, else the sign of the shift into it."""
+        """0 if tensor index ``t`` is stored in ``domain``, else the sign of the shift into it.
+
+        Forward outputs (kind "output") never carry the loss scale: they are the same in both domains.
+        """
         check_choice("domain", domain, VIEWS)
-        if domain == "recorded" or self.stored_domain(t) == domain:
+        if domain == "recorded" or self.stored_domain(t) == domain or self.tensor_kinds[t] == "output":
             return 0
         return -1 if domain == "unscaled" else 1
 

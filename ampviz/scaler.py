@@ -14,7 +14,7 @@ skipped::
 
 A replay is a counterfactual: in a real run a skipped step changes every later gradient, which a
 replay over recorded gradients cannot know. Steps where the real run overflowed only tell us the
-magnitude was at least ``threshold / recorded scale``; :func:`ampviz.trace.trace_from_run` uses that bound.
+magnitude was at least ``threshold / recorded scale``; :func:`ampviz.gradient_trace.trace_from_run` uses that bound.
 """
 
 from __future__ import annotations

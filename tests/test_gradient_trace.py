@@ -111,3 +111,21 @@ def test_policy_from_run_and_errors():
         trace_from_run(run, rank=3)
     with pytest.raises(ValueError, match="tensors: the selection is empty"):
         trace_from_run(run, tensors=[])
+
+
+def test_forward_outputs_are_not_gradients_for_the_trace_or_the_domains():
+    """An "output" row (a forward activation) never carries the loss scale and is no gradient: the trace
+    ignores it by default, and both domains show it as recorded."""
+    steps, scale = 3, 2.0 ** 10
+    counts = np.zeros((1, steps, 2, H.NBINS), dtype=np.int64)
+    counts[0, :, 0, H.column(-20)] = 5           # a weight gradient near 2**-20 (unscaled)
+    counts[0, :, 1, H.column(12)] = 7            # forward outputs near 2**12: far larger than any gradient
+    meta = {"ranks": [0], "domains": {"weight": "unscaled", "output": "unscaled"},
+            "scaler": {"init_scale": scale, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}}
+    run = Run(np.arange(steps), np.ones((1, steps)), np.full((1, steps), scale), np.full((1, steps), scale),
+              np.zeros((1, steps), bool), np.arange(steps), counts, ["fc.weight", "fc"], ["weight", "output"],
+              ["torch.float32", "torch.float16"], meta)
+    assert np.all(trace_from_run(run) == 2.0 ** -20)
+    for domain in ("unscaled", "scaled"):
+        np.testing.assert_array_equal(run.tensor_counts("fc", domain), counts[0, :, 1])
+    assert run.fate_in("fp16", "scaled").overflow[0, :, 1].sum() == 0     # 2**13 < 65504: not shifted by 2**10
