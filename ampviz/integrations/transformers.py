@@ -62,7 +62,8 @@ class AmpvizCallback(TrainerCallback):
 
     Parameters
     ----------
-    path : where the run is saved at the end of training (a directory under DDP), or None.
+    path : where the run is saved at the end of training, or None (as ``ampviz.Recorder``'s ``path``: under
+        DDP each rank writes its own file).
     tensorboard : a log directory to export to live (see ``ampviz.export``), or None.
     wandb : True to export live to the active W&B run (``report_to="wandb"`` starts one), a W&B run, or False.
     export_every : optimizer steps between live exports (default: the Trainer's ``logging_steps``).
