@@ -42,6 +42,9 @@ def check_path(path):
     if suffix == ".npz" and p.is_dir():
         raise ValueError(f"path: {text!r} is a directory, but a name ending in .npz is taken for a run file; "
                          f"give a file name, or a directory without the .npz ending")
+    if suffix == "" and p.resolve() == Path(p.resolve().anchor):
+        raise ValueError(f"path: {text!r} is the file-system root; give a file ending in .npz, or a directory of "
+                         f"its own (it receives rank{{r}}.npz)")
     if suffix == "" and p.exists() and not p.is_dir():
         raise ValueError(f"path: {text!r} is an existing file, not a directory; give a file ending in .npz, "
                          f"or a directory (it receives rank{{r}}.npz)")

@@ -24,7 +24,7 @@ import torch
 from ._binning import NBINS
 from ._warnings import AmpvizWarning
 
-_MOVE_BYTES = 8 << 20        # decimation moves rows in blocks of this size (the only temporary copy)
+_MOVE_BYTES = 8 << 20        # decimation moves rows in blocks of at most this size (the only temporary copy)
 
 
 class StepStore:
@@ -132,7 +132,7 @@ class StepStore:
         keep = np.flatnonzero((self.steps[:self.n] // self.every) % 2 == 0)
         if keep.size == self.n:                                # irregular steps: halve by position
             keep = np.arange(0, self.n, 2)
-        block = max(1, _MOVE_BYTES // self.row_bytes)
+        block = max(1, min(_MOVE_BYTES, self.max_bytes // 32) // self.row_bytes)
         for a in range(0, keep.size, block):                  # sources keep[a:] >= a: never overwritten first
             idx = keep[a:a + block]
             self.counts[a:a + idx.size] = self.counts[idx]

@@ -83,11 +83,14 @@ def bin_labels() -> list[str]:
 
 
 def histograms(tensors, device=None) -> torch.Tensor:
-    """Histogram each tensor; returns an int64 tensor (len(tensors), NBINS) on their device."""
+    """Histogram each tensor; returns an int64 tensor (len(tensors), NBINS) on their device.
+
+    Complex tensors are counted by ``|z|``, as the Recorder counts complex gradients; fp64 values beyond
+    fp32's range land in the "below" / "above" columns (exactly: fp64 is binned from its own bits)."""
     tensors = list(tensors)
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or not (t.is_floating_point()):
-            raise TypeError(f"tensors[{i}]: expected a floating-point tensor, got "
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"tensors[{i}]: expected a floating-point or complex tensor, got "
                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
     device = torch.device(device) if device is not None else (tensors[0].device if tensors else "cpu")
     counts = torch.zeros(len(tensors), NBINS, dtype=torch.int64, device=device)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import ampviz
 
 
-def run(rank, world, port, out_dir, accum=2, steps=4):
+def run(rank, world, port, out_dir, accum=2, steps=4, file_name=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -20,7 +20,8 @@ def run(rank, world, port, out_dir, accum=2, steps=4):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
         g = torch.Generator().manual_seed(100 + rank)          # each rank sees different data
-        rec = ampviz.Recorder(ddp, opt, scaler=scaler, local_weights=True, path=out_dir)
+        path = out_dir if file_name is None else os.path.join(out_dir, file_name)
+        rec = ampviz.Recorder(ddp, opt, scaler=scaler, local_weights=True, path=path)
         with rec:
             for _ in range(steps):
                 for micro in range(accum):

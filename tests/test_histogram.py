@@ -107,7 +107,7 @@ def test_index_add_counting_path_equals_bincount(rng):
 
 
 def test_histograms_rejects_non_float():
-    with pytest.raises(TypeError, match=r"tensors\[1\]: expected a floating-point tensor, got torch.int64"):
+    with pytest.raises(TypeError, match=r"tensors\[1\]: expected a floating-point or complex tensor, got torch.int64"):
         H.histograms([torch.ones(2), torch.ones(2, dtype=torch.int64)])
 
 
@@ -236,3 +236,59 @@ def test_make_counter_falls_back_to_torch_without_numba(monkeypatch):
     monkeypatch.setattr(_binning_numba, "njit", None)
     assert isinstance(_binning_numba.make_counter("cpu"), H.Binner)
     np.testing.assert_array_equal(H.histogram(torch.tensor([0.0, 1.0, 3.0])).numpy()[[0, 127, 129]], [1, 1, 1])
+
+
+# ----------------------------------------------------------------------------- complex and fp64 (issue 12, item 13)
+def counter_paths():
+    paths = [lambda: H.Binner("cpu", capacity=4096)]
+    if _binning_numba.available():
+        paths.append(lambda: _binning_numba.NumbaCounter(threads=2))
+    return paths
+
+
+@pytest.mark.parametrize("make", counter_paths(), ids=lambda m: type(m()).__name__)
+def test_complex_values_are_counted_by_their_magnitude_on_every_path(make):
+    z = torch.tensor([3e-30 + 4j, 1j, 0j, complex("nan+1j")], dtype=torch.complex64)
+    counts = torch.zeros(1, H.NBINS, dtype=torch.int64)
+    c = make()
+    c.target = counts.view(-1)
+    c.add(z, 0)
+    c.submit()
+    c.close()
+    expected = oracle_counts(np.abs(z.numpy()))
+    np.testing.assert_array_equal(counts[0].numpy(), expected)
+    assert np.flatnonzero(expected).tolist() == [H.ZERO, H.column(-1), H.column(1), H.NAN]   # |1j| = 1, |.| = 4
+    np.testing.assert_array_equal(H.histogram(z).numpy(), expected)
+    np.testing.assert_array_equal(H.histogram(z.to(torch.complex128)).numpy(), expected)
+
+
+def test_a_complex_parameter_is_recorded_by_the_magnitude_of_its_gradient():
+    import ampviz
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(50, dtype=torch.complex64))
+    model = torch.nn.Module()
+    model.w = w
+    opt = torch.optim.SGD([w], lr=0.1)
+    with ampviz.Recorder(model, opt, activations=False) as rec:
+        (w * w.conj()).real.sum().backward()
+        expected = H.histogram(w.grad.abs()).numpy()
+        opt.step()
+        rec.step()
+    np.testing.assert_array_equal(rec.run.counts[0, 0, 0], expected)
+
+
+@pytest.mark.parametrize("make", counter_paths(), ids=lambda m: type(m()).__name__)
+def test_fp64_beyond_fp32s_range_is_counted_below_or_above_exactly(make, rng):
+    tiny = np.array([1e-300, 5e-324, 2.0 ** -150, 2.0 ** -127, -1e-46])
+    huge = np.array([1e300, np.inf, 2.0 ** 128])
+    edges = np.ldexp(1 + 2.0 ** -40, np.arange(-120, 120, 7))       # just above a power of two: fp32 rounds it down
+    vals = np.concatenate([tiny, huge, edges, -edges, np.exp2(rng.uniform(-1070, 1020, 20000)), [0.0, np.nan]])
+    counts = torch.zeros(1, H.NBINS, dtype=torch.int64)
+    c = make()
+    c.target = counts.view(-1)
+    c.add(torch.from_numpy(vals), 0)
+    c.submit()
+    c.close()
+    np.testing.assert_array_equal(counts[0].numpy(), oracle_counts(vals))
+    h = H.histogram(torch.from_numpy(tiny)).numpy()
+    assert h[H.BELOW] == tiny.size and h[H.ZERO] == 0               # none of them is zero
