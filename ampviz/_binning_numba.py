@@ -40,7 +40,7 @@ __all__ = ["available", "NumbaCounter", "make_counter"]
 _SPLIT_MIN = 1 << 18         # below this many values one thread is faster than a hand-off (~50 us)
 _MAX_THREADS = 8             # beyond this the memory bus, not the cores, limits counting
 _LANES = 8                   # private sub-histograms: a repeated column does not wait for the last add
-_PIECE = 1 << 30             # values per pass, so a uint32 lane counter (<= _PIECE / _LANES) never wraps
+_PIECE = 1 << 30             # values per kernel call, so a uint32 lane counter (<= _PIECE / _LANES) never wraps
 
 
 def available() -> bool:
@@ -48,21 +48,54 @@ def available() -> bool:
 
 
 if njit is not None:
-    # one column function per kind of bit pattern; _count is compiled once per function (no branch per value)
-    @njit(cache=True, nogil=True, inline="always")
-    def _col_fp32(v, lut):                            # ((bits(|x|) - 1) >> 23) + 1, see ampviz._binning
-        return (((v & 0x7FFFFFFF) - 1) >> 23) + 1
+    # One kernel per kind of bit pattern, each with its column formula inline (no branch per value; numba's
+    # cache cannot store kernels that take a function as an argument). Each counts ``bits`` (at most _PIECE
+    # values: see _call) into ``out`` (NBINS,) int64 through eight private uint32 sub-histograms.
+    @njit(cache=True, nogil=True)
+    def _flush(loc, out):
+        for j in range(_LANES):
+            for b in range(NBINS):
+                out[b] += loc[j, b]
+                loc[j, b] = 0
+
+    @njit(cache=True, nogil=True)
+    def _count_fp32(bits, lut, out):                  # ((bits(|x|) - 1) >> 23) + 1, see ampviz._binning
+        loc = np.zeros((_LANES, NBINS), np.uint32)
+        n, i = bits.size, 0
+        while i + _LANES <= n:                        # eight values in flight, eight private counters
+            for j in range(_LANES):
+                loc[j, (((bits[i + j] & 0x7FFFFFFF) - 1) >> 23) + 1] += 1
+            i += _LANES
+        for k in range(i, n):
+            loc[0, (((bits[k] & 0x7FFFFFFF) - 1) >> 23) + 1] += 1
+        _flush(loc, out)
+
+    @njit(cache=True, nogil=True)
+    def _count_bf16(bits, lut, out):                  # bf16 is fp32's top half: the same formula on 16 bits
+        loc = np.zeros((_LANES, NBINS), np.uint32)
+        n, i = bits.size, 0
+        while i + _LANES <= n:
+            for j in range(_LANES):
+                loc[j, (((bits[i + j] & 0x7FFF) - 1) >> 7) + 1] += 1
+            i += _LANES
+        for k in range(i, n):
+            loc[0, (((bits[k] & 0x7FFF) - 1) >> 7) + 1] += 1
+        _flush(loc, out)
+
+    @njit(cache=True, nogil=True)
+    def _count_fp16(bits, lut, out):                  # fp16 -> fp32 is exact: a table of its 2**15 magnitudes
+        loc = np.zeros((_LANES, NBINS), np.uint32)
+        n, i = bits.size, 0
+        while i + _LANES <= n:
+            for j in range(_LANES):
+                loc[j, lut[bits[i + j] & 0x7FFF]] += 1
+            i += _LANES
+        for k in range(i, n):
+            loc[0, lut[bits[k] & 0x7FFF]] += 1
+        _flush(loc, out)
 
     @njit(cache=True, nogil=True, inline="always")
-    def _col_bf16(v, lut):                            # bf16 is fp32's top half: the same formula on 16 bits
-        return (((v & 0x7FFF) - 1) >> 7) + 1
-
-    @njit(cache=True, nogil=True, inline="always")
-    def _col_fp16(v, lut):                            # fp16 -> fp32 is exact: a table of its 2**15 magnitudes
-        return lut[v & 0x7FFF]
-
-    @njit(cache=True, nogil=True, inline="always")
-    def _col_fp64(v, lut):                            # exactly: binade k = ((bits(|x|) - 1) >> 52) - 1023
+    def _col_fp64(v):                                 # exactly: binade k = ((bits(|x|) - 1) >> 52) - 1023
         a = v & 0x7FFFFFFFFFFFFFFF
         if a == 0:
             return 0
@@ -72,24 +105,16 @@ if njit is not None:
         return 1 if col < 2 else (NBINS - 2 if col > NBINS - 3 else col)   # below / above fp32's range
 
     @njit(cache=True, nogil=True)
-    def _count(column, bits, lut, out):
-        """Add ``column(value)`` of every value of ``bits`` (1-D) to ``out`` (NBINS,) int64."""
+    def _count_fp64(bits, lut, out):
         loc = np.zeros((_LANES, NBINS), np.uint32)
-        n = bits.size
-        for start in range(0, n, _PIECE):
-            stop = min(n, start + _PIECE)
-            i = start
-            while i + _LANES <= stop:                 # eight values in flight, eight private counters
-                for j in range(_LANES):
-                    loc[j, column(bits[i + j], lut)] += 1
-                i += _LANES
-            while i < stop:
-                loc[0, column(bits[i], lut)] += 1
-                i += 1
+        n, i = bits.size, 0
+        while i + _LANES <= n:
             for j in range(_LANES):
-                for b in range(NBINS):
-                    out[b] += loc[j, b]
-                    loc[j, b] = 0
+                loc[j, _col_fp64(bits[i + j])] += 1
+            i += _LANES
+        for k in range(i, n):
+            loc[0, _col_fp64(bits[k])] += 1
+        _flush(loc, out)
 
 
 def _fp16_lut() -> np.ndarray:
@@ -104,17 +129,17 @@ _NO_LUT = np.zeros(1, np.uint16)
 
 
 def _bits(x: torch.Tensor):
-    """(bit patterns as a 1-D numpy array, their column function, its table) of a CPU tensor (no copy if dense)."""
+    """(bit patterns as a 1-D numpy array, the kernel that counts them, its table) of a CPU tensor (no copy)."""
     flat = dense_flat(x)
     if flat.dtype == torch.float32:
-        return flat.view(torch.int32).numpy(), _col_fp32, _NO_LUT
+        return flat.view(torch.int32).numpy(), _count_fp32, _NO_LUT
     if flat.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy(), _col_bf16, _NO_LUT
+        return flat.view(torch.int16).numpy(), _count_bf16, _NO_LUT
     if flat.dtype == torch.float16:
-        return flat.view(torch.int16).numpy(), _col_fp16, _LUT16
+        return flat.view(torch.int16).numpy(), _count_fp16, _LUT16
     if flat.dtype == torch.float64:
-        return flat.view(torch.int64).numpy(), _col_fp64, _NO_LUT
-    return flat.float().view(torch.int32).numpy(), _col_fp32, _NO_LUT     # fp8: exact in fp32
+        return flat.view(torch.int64).numpy(), _count_fp64, _NO_LUT
+    return flat.float().view(torch.int32).numpy(), _count_fp32, _NO_LUT     # fp8: exact in fp32
 
 
 class NumbaCounter:
@@ -153,32 +178,32 @@ class NumbaCounter:
     def add(self, x: torch.Tensor, row: int) -> None:
         """Count every element of ``x`` (complex: ``|x|``) into row ``row`` of ``target``."""
         out = self._row(row)
-        bits, column, lut = _bits(prepare(x))
+        bits, kernel, lut = _bits(prepare(x))
         threads = self.threads()
         if bits.size >= _SPLIT_MIN and threads > 1:
-            self._parallel([(bits[lo:hi], column, lut, out) for lo, hi in _spans(bits.size, threads)], threads)
+            self._parallel([(bits[lo:hi], kernel, lut, out) for lo, hi in _spans(bits.size, threads)], threads)
         elif bits.size:
-            _count(column, bits, lut, out)
+            _call(kernel, bits, lut, out)
 
     def add_many(self, tensors: list, rows: list) -> None:
         """Count several tensors, one row each; large totals are split over threads in one hand-off."""
         jobs = []
         for x, r in zip(tensors, rows):
-            bits, column, lut = _bits(prepare(x))
+            bits, kernel, lut = _bits(prepare(x))
             if bits.size:
-                jobs.append((bits, column, lut, self._row(r)))
+                jobs.append((bits, kernel, lut, self._row(r)))
         total = sum(j[0].size for j in jobs)
         threads = self.threads()
         if total < _SPLIT_MIN or threads == 1:
-            for bits, column, lut, out in jobs:
-                _count(column, bits, lut, out)
+            for bits, kernel, lut, out in jobs:
+                _call(kernel, bits, lut, out)
             return
         # equal shares of the concatenated values; a tensor cut between two shares is counted in pieces
         pieces, share = [], -(-total // threads)
         pos = 0
-        for bits, column, lut, out in jobs:
+        for bits, kernel, lut, out in jobs:
             for lo, hi in _cuts(pos, bits.size, share):
-                pieces.append((bits[lo:hi], column, lut, out))
+                pieces.append((bits[lo:hi], kernel, lut, out))
             pos += bits.size
         self._parallel(pieces, threads)
 
@@ -186,19 +211,19 @@ class NumbaCounter:
         self.add_many(tensors, rows)
 
     def _parallel(self, pieces: list, threads: int) -> None:
-        """Count ``pieces`` (bits, column, lut, out row) over ``threads`` threads, the caller's included.
+        """Count ``pieces`` (bits, kernel, lut, out row) over ``threads`` threads, the caller's included.
 
         Pieces that share an out row are counted into private rows and added here, so no two threads
         ever write the same counter.
         """
         uses = Counter(id(p[3]) for p in pieces)
         private, ready = [], []
-        for bits, column, lut, out in pieces:
+        for bits, kernel, lut, out in pieces:
             if uses[id(out)] > 1:
                 tmp = np.zeros(NBINS, np.int64)
                 private.append((tmp, out))
                 out = tmp
-            ready.append((bits, column, lut, out))
+            ready.append((bits, kernel, lut, out))
         groups = _balance(ready, threads)
         if self._pool is None or self._pool_size < len(groups) - 1:
             self.close()
@@ -225,8 +250,13 @@ class NumbaCounter:
 
 
 def _count_all(pieces) -> None:
-    for bits, column, lut, out in pieces:
-        _count(column, bits, lut, out)
+    for bits, kernel, lut, out in pieces:
+        _call(kernel, bits, lut, out)
+
+
+def _call(kernel, bits, lut, out) -> None:
+    for lo in range(0, bits.size, _PIECE):            # a loop inside the kernel would slow it by half
+        kernel(bits[lo:lo + _PIECE], lut, out)
 
 
 def _spans(n: int, parts: int):
