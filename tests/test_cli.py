@@ -10,11 +10,12 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import ampviz
 from ampviz import histogram as H
 from ampviz.cli import main
-from ampviz.demo import DEMO_SETTINGS, train_demo
+from ampviz.demo import DEMO_SETTINGS, DEMO_STEPS, train_demo
 from ampviz.report import (
     format_scale,
     representative_steps,
@@ -24,14 +25,22 @@ from ampviz.report import (
 )
 from ampviz.scaler import TorchPolicy, replay
 
-DEMO_STEPS = 150      # the demo's scale reaches 2**21 by step ~100 and starts backing off
+SHORT_DEMO = 150      # the demo's scale reaches 2**21 by step ~80 and starts backing off
 
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
-    """``ampviz demo`` run once for the module: its output directory."""
+    """A short ``ampviz demo`` run once for the module (the other tests read its run): its directory."""
     out = tmp_path_factory.mktemp("demo")
-    assert main(["demo", "-o", str(out), "--steps", str(DEMO_STEPS), "--device", "cpu", "--quiet"]) == 0
+    assert main(["demo", "-o", str(out), "--steps", str(SHORT_DEMO), "--device", "cpu", "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_demo_dir(tmp_path_factory):
+    """``ampviz demo`` as a newcomer runs it: the default length."""
+    out = tmp_path_factory.mktemp("full_demo")
+    assert main(["demo", "-o", str(out), "--device", "cpu", "--quiet"]) == 0
     return out
 
 
@@ -64,7 +73,7 @@ def one_error_line(capsys) -> str:
 # ---------------------------------------------------------------------------- demo
 def test_demo_writes_a_run_whose_skipped_steps_match_its_scale_trace_and_gradients(demo_dir, capsys):
     run = ampviz.Run.load(demo_dir / "run.npz")
-    assert run.n_steps == DEMO_STEPS and run.hist_steps.size == DEMO_STEPS
+    assert run.n_steps == SHORT_DEMO and run.hist_steps.size == SHORT_DEMO
     skipped = run.skipped[0]
     assert skipped.sum() >= 1, "the demo promises real overflow: the scale should back off at least once"
     # skipped <=> the scale went down
@@ -80,6 +89,47 @@ def test_demo_writes_a_run_whose_skipped_steps_match_its_scale_trace_and_gradien
     assert (demo_dir / "report.html").stat().st_size > 1_000_000       # plotly.js inlined
 
 
+def demo_claims(scaled: ampviz.Run, unscaled: ampviz.Run) -> None:
+    """What the demo promises: with a GradScaler the model learns; without one it stays at chance,
+    because fp16 flushed every first-layer activation gradient at every step."""
+    assert scaled.meta["demo"]["test_accuracy"] > 0.8 and scaled.meta["demo"]["scaling"]
+    assert unscaled.meta["demo"]["test_accuracy"] < 0.15 and not unscaled.meta["demo"]["scaling"]   # chance: 0.1
+    assert (unscaled.loss_scale == 1).all() and not unscaled.skipped.any()
+    first = unscaled.tensor_names.index("body.0")
+    counts = unscaled.counts[0][:, first]                                 # (steps, bins), as computed in fp16
+    assert (counts[:, H.ZERO] == counts.sum(axis=1)).all()                # every value exactly zero, every step
+    assert abs(unscaled.loss[0, -50:].mean() - np.log(10)) < 0.02         # a uniform guess over ten digits
+    assert scaled.loss[0, -50:].mean() < 0.5
+
+
+def test_demo_learns_with_a_gradscaler_and_stays_at_chance_without(full_demo_dir):
+    scaled, unscaled = (ampviz.Run.load(full_demo_dir / name) for name in ("run.npz", "no_scaling.npz"))
+    assert scaled.n_steps == unscaled.n_steps == DEMO_STEPS
+    demo_claims(scaled, unscaled)
+    figures = plotly_figures((full_demo_dir / "report.html").read_text())
+    assert "run0-scale" in figures and "run1-scale" in figures          # the report shows both runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_demo_claims_hold_for_other_seeds(seed):
+    demo_claims(*(train_demo(device="cpu", seed=seed, progress=False, scaling=s) for s in (True, False)))
+
+
+def test_demo_prints_both_accuracies_and_writes_both_runs(tmp_path, capsys):
+    assert main(["demo", "-o", str(tmp_path), "--steps", "3", "--device", "cpu", "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("trained 3 steps twice on cpu") and "with GradScaler" in first
+    assert "without loss scaling" in first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_scaling.npz", "report.html", "run.npz"]
+
+
+def test_demo_leaves_the_thread_count_as_it_was():
+    threads = torch.get_num_threads()
+    train_demo(steps=2, device="cpu", progress=False)
+    assert torch.get_num_threads() == threads
+
+
 def test_demo_function_validates_its_arguments():
     with pytest.raises(ValueError, match="steps: expected an integer >= 1, got 0"):
         train_demo(steps=0)
@@ -91,6 +141,8 @@ def test_demo_is_reproducible_for_a_seed():
     a, b = (train_demo(steps=5, device="cpu", seed=3, progress=False) for _ in range(2))
     np.testing.assert_array_equal(a.counts, b.counts)
     np.testing.assert_array_equal(a.loss, b.loss)
+    c = train_demo(steps=5, device="cpu", seed=3, progress=False, scaling=False)
+    np.testing.assert_array_equal(c.loss_scale, np.ones_like(c.loss_scale))   # no scaling: the scale is 1
 
 
 # ---------------------------------------------------------------------------- info
