@@ -14,8 +14,10 @@ import importlib.util
 __all__ = ["require", "MissingExtra", "EXTRA_OF"]
 
 # the extra that provides each optional top-level module
+# (tensorboard, wandb and pandas are named by package: a user of `ampviz export` or `Run.to_pandas` installs the
+# one they want, not a whole extra)
 EXTRA_OF = {"plotly": "viz", "ipywidgets": "viz", "anywidget": "viz", "sklearn": "lessons", "tqdm": "lessons",
-            "jupyterlab": "lessons", "pandas": "test", "tensorboard": "test", "wandb": "test"}
+            "jupyterlab": "lessons"}
 _PACKAGE = {"sklearn": "scikit-learn"}
 
 
