@@ -11,8 +11,8 @@ a value is the formula of ``ampviz._binning`` (fp64 gets its own, exact one)::
     counter.add(grad, row)                  # counted now, no buffer
     counter.add_many([g1, g2], [0, 1])      # several tensors, split over threads when large
 
-Threads: the kernels are serial and release the GIL; large work is split over at most
-``torch.get_num_threads()`` Python threads (the caller's and a small pool). numba's own parallel
+Threads: the kernels are serial and release the GIL; work of many millions of values is split over at
+most ``torch.get_num_threads()`` Python threads (the caller's and a small pool). numba's own parallel
 runtime is never started: it shares OpenMP with torch and would change ``torch.get_num_threads()``
 for the whole process. Counting runs while torch waits for it (inside a hook), so it never uses
 more threads than the user gave torch.
@@ -37,7 +37,10 @@ except ImportError:                                   # pragma: no cover - depen
 
 __all__ = ["available", "NumbaCounter", "make_counter"]
 
-_SPLIT_MIN = 1 << 18         # below this many values one thread is faster than a hand-off (~50 us)
+# values each thread must get before a count is split: measured on a 2-core CPU (torch 2.13), splitting a
+# transformer's 4.2M weight-gradient values over two threads was slower than one (torch's idle OpenMP threads
+# keep spinning on the cores for a while after each op), so only counts of many millions of values are split
+_SHARE_MIN = 1 << 22
 _MAX_THREADS = 8             # beyond this the memory bus, not the cores, limits counting
 _LANES = 8                   # private sub-histograms: a repeated column does not wait for the last add
 _PIECE = 1 << 30             # values per kernel call, so a uint32 lane counter (<= _PIECE / _LANES) never wraps
@@ -129,8 +132,12 @@ _NO_LUT = np.zeros(1, np.uint16)
 
 
 def _bits(x: torch.Tensor):
-    """(bit patterns as a 1-D numpy array, the kernel that counts them, its table) of a CPU tensor (no copy)."""
-    flat = dense_flat(x)
+    """(bit patterns as a 1-D numpy array, the kernel that counts them, its table) of a CPU tensor: a view
+    where its elements are dense."""
+    fast = _FAST.get(x.dtype) if type(x) is torch.Tensor and x.is_contiguous() and x.layout == torch.strided else None
+    if fast is not None:                          # a plain dense gradient: the common case, fewer checks
+        return (x.detach() if x.requires_grad else x).view(fast[0]).numpy().reshape(-1), fast[1], fast[2]
+    flat = dense_flat(prepare(x))
     if flat.dtype == torch.float32:
         return flat.view(torch.int32).numpy(), _count_fp32, _NO_LUT
     if flat.dtype == torch.bfloat16:
@@ -142,17 +149,22 @@ def _bits(x: torch.Tensor):
     return flat.float().view(torch.int32).numpy(), _count_fp32, _NO_LUT     # fp8: exact in fp32
 
 
+_FAST = {torch.float32: (torch.int32, _count_fp32, _NO_LUT), torch.bfloat16: (torch.int16, _count_bf16, _NO_LUT),
+         torch.float16: (torch.int16, _count_fp16, _LUT16)} if njit is not None else {}
+
+
 class NumbaCounter:
     """Drop-in for ``Binner`` on the CPU: ``add`` counts immediately into ``target``.
 
     ``threads`` caps the threads one count may use (default: ``torch.get_num_threads()``, read at
-    each count, at most 8).
+    each count, at most 8); a count is split only where each thread gets ``min_share`` values.
     """
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, min_share: int = _SHARE_MIN):
         if njit is None:
             raise RuntimeError("NumbaCounter needs numba")
         self._threads = None if threads is None else max(1, int(threads))
+        self.min_share = max(1, int(min_share))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._target: torch.Tensor | None = None
@@ -178,25 +190,30 @@ class NumbaCounter:
     def add(self, x: torch.Tensor, row: int) -> None:
         """Count every element of ``x`` (complex: ``|x|``) into row ``row`` of ``target``."""
         out = self._row(row)
-        bits, kernel, lut = _bits(prepare(x))
-        threads = self.threads()
-        if bits.size >= _SPLIT_MIN and threads > 1:
+        bits, kernel, lut = _bits(x)
+        threads = min(self.threads(), bits.size // self.min_share) if bits.size >= 2 * self.min_share else 1
+        if threads > 1:
             self._parallel([(bits[lo:hi], kernel, lut, out) for lo, hi in _spans(bits.size, threads)], threads)
-        elif bits.size:
+        elif bits.size <= _PIECE:
+            kernel(bits, lut, out)
+        else:
             _call(kernel, bits, lut, out)
 
     def add_many(self, tensors: list, rows: list) -> None:
         """Count several tensors, one row each; large totals are split over threads in one hand-off."""
-        jobs = []
+        jobs, total = [], 0
         for x, r in zip(tensors, rows):
-            bits, kernel, lut = _bits(prepare(x))
+            bits, kernel, lut = _bits(x)
             if bits.size:
                 jobs.append((bits, kernel, lut, self._row(r)))
-        total = sum(j[0].size for j in jobs)
-        threads = self.threads()
-        if total < _SPLIT_MIN or threads == 1:
+                total += bits.size
+        threads = min(self.threads(), total // self.min_share) if total >= 2 * self.min_share else 1
+        if threads <= 1:
             for bits, kernel, lut, out in jobs:
-                _call(kernel, bits, lut, out)
+                if bits.size <= _PIECE:
+                    kernel(bits, lut, out)
+                else:
+                    _call(kernel, bits, lut, out)
             return
         # equal shares of the concatenated values; a tensor cut between two shares is counted in pieces
         pieces, share = [], -(-total // threads)

@@ -112,8 +112,14 @@ class StepStore:
                 self.n += k
             else:
                 self._append_decimating(self.ring[:k].cpu().numpy(), k)            # sync, once per flush
-            self.ring.zero_()
-            self.ring_order.fill(-1)
+            if k < self.flush_every:              # a snapshot mid-step: keep the step's counts so far
+                self.ring[0].copy_(self.ring[k])
+                self.ring[1:].zero_()
+                self.ring_order[0] = self.ring_order[k]
+                self.ring_order[1:] = -1
+            else:
+                self.ring.zero_()
+                self.ring_order.fill(-1)
             self.ring_steps = []
         counter.target = self.slot()
 

@@ -132,14 +132,17 @@ class Recorder:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._params = select(named_parameters(self.model), weights, "weights", default=trainable_param)
         frozen = [n for n, p in self._params if not p.requires_grad]
-        if frozen:
+        if frozen and isinstance(weights, (list, tuple, set)):
             raise ValueError(f"weights: {frozen[:3]} do not require grad (frozen), so they never get a gradient")
+        self._params = [(n, p) for n, p in self._params if p.requires_grad]   # a filter's frozen matches: skipped
+        if frozen and not self._params:
+            raise ValueError(f"weights: the filter {weights!r} matches only frozen parameters ({frozen[:3]} ...)")
         self._all_weights = weights is True
         self._default_modules = default_modules(self.model)
         self._activations = self._modules_for(activations, "activations")
         self._outputs = self._modules_for(outputs, "outputs")
         # a module added later would have been chosen: only for the default choice, outside torch.compile
-        self._new_modules_count = (activations is True or outputs is True) and not self._compiled_anywhere
+        self._watch_added_modules = (activations is True or outputs is True) and not self._compiled_anywhere
         self._local = bool(local_weights)
         watched = [n for n, _ in self._params]
         self.tensor_names = (watched + [n for n, _ in self._activations] + [f"{n} [output]" for n, _ in self._outputs]
@@ -202,9 +205,11 @@ class Recorder:
             return False
         try:
             self._close(failing=True)
-        except Exception as save_error:           # the user's exception stays the one raised
-            note = (f"ampviz: the run could not be saved to {self.path} ({type(save_error).__name__}: {save_error}); "
-                    f"it is still in recorder.run: save it elsewhere with recorder.run.save(path)")
+        except Exception as close_error:          # the user's exception stays the one raised
+            what = f"saving the run to {self.path}" if self.path is not None else "closing the recorder"
+            kept = ("it is still in recorder.run: save it elsewhere with recorder.run.save(path)"
+                    if self._run is not None else "what was recorded is lost")
+            note = f"ampviz: {what} also failed ({type(close_error).__name__}: {close_error}); {kept}"
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
             else:                                 # pragma: no cover - Python 3.10
@@ -288,7 +293,7 @@ class Recorder:
     def _model_changes(self) -> list:
         modules = dict(self._activations + self._outputs)
         return model_changes(self.model, self._params, list(modules.items()), self._all_weights,
-                             self._default_modules if self._new_modules_count else None)
+                             self._default_modules if self._watch_added_modules else None)
 
     # ------------------------------------------------------------------ per step
     def step(self, loss=None) -> None:

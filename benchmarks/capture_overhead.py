@@ -13,14 +13,19 @@ copy of the model (same initial weights), optimizer and capture object:
     ampviz-weights  ampviz.Recorder(activations=False)
     ampviz-all      ampviz.Recorder(activations=True)   (weights + every leaf module's output grad)
     ampviz-every10  ampviz.Recorder(activations=True, every=10)
+    ampviz-outputs  ampviz.Recorder(activations=False, outputs=True)   (weights + forward outputs)
+    ampviz-all-out  ampviz.Recorder(activations=True, outputs=True)    (weights + output grads + outputs)
     tensorboard     SummaryWriter.add_histogram on every weight gradient every step
+
+``--variants`` picks some (base is always run), e.g. to compare with an older ampviz that lacks outputs=.
 
 Each round runs every variant for a block of ``--block`` consecutive steps, in a new random order
 each round (a fixed rotation would always put the same variant after the slow TensorBoard one,
-on cold caches). A block ends by waiting for the variant's own background work (ampviz counts
-on a background thread on CPU; TensorBoard writes on one), so no variant's work leaks into the
-next variant's time. A variant's ratio is the median over rounds of its block time divided by
-base's block time in the same round (paired, so slow drifts of the machine cancel).
+on cold caches). A block ends by waiting for the variant's own background work (ampviz's counts
+on a GPU run asynchronously; TensorBoard writes on a thread), so no variant's work leaks into the
+next variant's time. On the CPU ampviz counts inside the hooks, while torch waits. A variant's
+ratio is the median over rounds of its block time divided by base's block time in the same round
+(paired, so slow drifts of the machine cancel).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import ampviz
 from ampviz import histogram as H
 from ampviz.examples.models import CharTransformer
 
-VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "tensorboard"]
+VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "ampviz-outputs", "ampviz-all-out",
+            "tensorboard"]
 
 
 def make_workload(name: str, device="cpu", width: int = 1024):
@@ -74,8 +80,10 @@ class Variant:
         self.rec = self.writer = None
         self.step_i = 0
         if name.startswith("ampviz"):
-            self.rec = ampviz.Recorder(self.model, self.opt, self.scaler, activations=name != "ampviz-weights",
-                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30)
+            outputs = {"outputs": True} if name in ("ampviz-outputs", "ampviz-all-out") else {}
+            self.rec = ampviz.Recorder(self.model, self.opt, self.scaler,
+                                       activations=name in ("ampviz-all", "ampviz-every10", "ampviz-all-out"),
+                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs)
             self.rec.__enter__()
         elif name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -122,8 +130,8 @@ class Variant:
             self.writer.close()
 
 
-def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, **setup) -> dict:
-    variants = [Variant(v, workload, logdir, **setup) for v in VARIANTS]
+def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, names=VARIANTS, **setup) -> dict:
+    variants = [Variant(v, workload, logdir, **setup) for v in names]
     rng = random.Random(0)
     for r in range(rounds + warmup):
         per_step = {v.name: v.block(block) for v in rng.sample(variants, len(variants))}
@@ -132,8 +140,8 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, **se
                 v.times.append(per_step[v.name])
                 v.ratios.append(per_step[v.name] / per_step["base"])
     med = {v.name: (statistics.median(v.times), statistics.median(v.ratios)) for v in variants}
-    rec = next(v for v in variants if v.name == "ampviz-all").rec
-    n_tensors = len(rec.tensor_names)
+    recs = [v.rec for v in variants if v.rec is not None]
+    n_tensors = max((len(r.tensor_names) for r in recs), default=0)
     for v in variants:
         v.close()
     return {"median": med, "tensors": n_tensors, "params": sum(p.numel() for p in variants[0].model.parameters())}
@@ -149,21 +157,27 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024, help="MLP width (a larger model on a GPU: 4096)")
     ap.add_argument("--block", type=int, default=10,
                     help="consecutive steps per variant per round (a multiple of 10: one every=10 capture per block)")
+    ap.add_argument("--variants", default=",".join(VARIANTS[1:]),
+                    help=f"comma-separated, from {', '.join(VARIANTS[1:])} (base is always run)")
     a = ap.parse_args(argv)
+    names = ["base"] + [v for v in a.variants.split(",") if v and v != "base"]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS[1:]}")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}, "
           f"{a.device}, {a.amp} autocast{' + GradScaler' if a.amp == 'fp16' else ''}")
     with tempfile.TemporaryDirectory() as logdir:
         for w in (["mlp", "tfm"] if a.workload == "both" else [a.workload]):
-            res = bench(w, a.rounds, a.warmup, a.block, logdir, device=a.device, amp=a.amp, width=a.width)
+            res = bench(w, a.rounds, a.warmup, a.block, logdir, names, device=a.device, amp=a.amp, width=a.width)
             print(f"\n{w}: {res['params']:,} parameters; {a.rounds} rounds of {a.block}-step blocks "
                   f"after {a.warmup} warm-up rounds")
             print(f"{'variant':<16}{'median ms/step':>15}{'ratio':>8}")
             for name, (t, ratio) in res["median"].items():
                 print(f"{name:<16}{t * 1e3:>15.2f}{ratio:>8.3f}")
             per_step = res["tensors"] * H.NBINS * 8
-            print(f"ampviz-all keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
+            print(f"the largest ampviz variant keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
                   f"{per_step:,} bytes per recorded step on the host")
     return 0
 

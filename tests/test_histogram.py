@@ -223,13 +223,28 @@ def test_numba_counter_equals_torch_binner(rng, dtype):
         vals = vals.clamp(-6e4, 6e4)
     x = vals.to(dtype)
     a, b = (torch.zeros(2, H.NBINS, dtype=torch.int64) for _ in range(2))
-    for counter, target in ((_binning_numba.NumbaCounter(threads=2), a), (H.Binner("cpu"), b)):
+    for counter, target in ((_binning_numba.NumbaCounter(threads=2, min_share=1 << 12), a), (H.Binner("cpu"), b)):
         counter.target = target.view(-1)
         counter.add(x, 1)
         counter.add(x[::3], 0)                  # a strided view too
         counter.submit()
         counter.close()
     assert torch.equal(a, b) and a[1].sum() == x.numel()
+
+
+@pytest.mark.skipif(not _binning_numba.available(), reason="numba is not installed")
+def test_numba_counts_split_over_threads_equal_one_thread(rng):
+    tensors = [torch.from_numpy(wide_sample(rng, n)) for n in (70000, 5, 40000, 123457)]
+    tensors += [tensors[0].bfloat16(), tensors[2].clamp(-6e4, 6e4).half(), tensors[3].double()]
+    rows = [0, 1, 1, 2, 3, 4, 5]                          # two tensors share a row
+    one, many = (torch.zeros(6, H.NBINS, dtype=torch.int64) for _ in range(2))
+    for target, counter in ((one, _binning_numba.NumbaCounter(threads=1)),
+                            (many, _binning_numba.NumbaCounter(threads=3, min_share=1000))):
+        counter.target = target.view(-1)
+        counter.add_many(tensors, rows)
+        counter.add(tensors[3], 5)                        # one tensor, split in three
+        counter.close()
+    assert torch.equal(one, many) and one.sum() == sum(t.numel() for t in tensors) + tensors[3].numel()
 
 
 def test_make_counter_falls_back_to_torch_without_numba(monkeypatch):
@@ -242,7 +257,7 @@ def test_make_counter_falls_back_to_torch_without_numba(monkeypatch):
 def counter_paths():
     paths = [lambda: H.Binner("cpu", capacity=4096)]
     if _binning_numba.available():
-        paths.append(lambda: _binning_numba.NumbaCounter(threads=2))
+        paths.append(lambda: _binning_numba.NumbaCounter(threads=2, min_share=2))
     return paths
 
 

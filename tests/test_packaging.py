@@ -99,7 +99,8 @@ import ampviz.plots
     assert "Traceback" in out.stderr and "MissingExtra" in out.stderr       # the last line: importing ampviz.plots
     lines = out.stderr.splitlines()
     assert 'ampviz: error: ampviz report needs plotly, which is not installed: pip install "ampviz[viz]"' in lines
-    assert 'ampviz: error: ampviz demo needs scikit-learn, which is not installed: pip install "ampviz[lessons]"' in lines
+    assert ('ampviz: error: ampviz demo needs scikit-learn, which is not installed: '
+            'pip install "ampviz[lessons]"') in lines
     assert "steps" in out.stdout and "run.npz" in out.stdout
 
 

@@ -119,7 +119,7 @@ def test_when_the_loop_raises_and_the_save_fails_the_users_exception_stays_first
             train(model, opt, rec, 3)
             raise KeyError("the user's own error")
     notes = getattr(info.value, "__notes__", [])
-    assert any("could not be saved" in n and "recorder.run.save" in n for n in notes)
+    assert any("saving the run to" in n and "also failed" in n and "recorder.run.save" in n for n in notes)
     assert not isinstance(info.value.__context__, OSError)
     assert rec.run.n_steps == 3                                           # nothing lost: still in memory
     with pytest.raises(OSError):                                          # no exception of the user's: the save's
@@ -211,3 +211,22 @@ def test_snapshots_while_open_are_copies():
         with pytest.warns(AmpvizWarning, match="max_bytes"):
             train(model, opt, rec, 6, seed=1)                       # decimates the store in place
     np.testing.assert_array_equal(snap.counts, before)
+
+
+def test_a_snapshot_taken_mid_step_loses_none_of_that_steps_counts():
+    counts = []
+    for snapshot in (False, True):
+        model = tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(0)
+        with ampviz.Recorder(model, opt) as rec:
+            for step in range(3):
+                x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+                F.cross_entropy(model(x), y).backward()          # activation gradients counted here
+                if snapshot and step == 1:
+                    assert rec.run.n_steps == 1                   # a live export between backward and step
+                opt.step()
+                opt.zero_grad()
+                rec.step()
+        counts.append(rec.run.counts)
+    np.testing.assert_array_equal(counts[0], counts[1])

@@ -269,6 +269,10 @@ def test_frozen_modules_are_not_chosen_by_default():
     assert (run.counts[0, 0].sum(axis=-1) > 0).all()                  # every row filled
     with pytest.raises(ValueError, match=r"weights: \['embed.weight'\] do not require grad"):
         ampviz.Recorder(model, opt, weights=["embed.weight"])
+    assert ampviz.Recorder(model, opt, weights="weight", activations=False).tensor_names == ["body.weight",
+                                                                                             "head.weight"]
+    with pytest.raises(ValueError, match="matches only frozen parameters"):
+        ampviz.Recorder(model, opt, weights="embed")
 
 
 def test_multihead_attention_is_recorded_in_place_of_its_out_proj():
