@@ -7,8 +7,9 @@ Rows of the counts, in this order: weight gradients (one per parameter), activat
   counted when the backward computes it) and counts the output itself (forward output);
 * a post-accumulate-grad hook per parameter: keeps a reference to ``.grad`` (read at
   ``rec.step()`` for a step the scaler skipped) and, under DDP, counts the local gradient;
-* an optimizer step pre-hook: counts the weight gradients as the optimizer sees them; with
-  ``step(closure)`` it wraps the closure and counts once its first call has run the backward;
+* an optimizer step pre-hook: counts the weight gradients as the optimizer sees them (a fused
+  optimizer's divided by the ``grad_scale`` GradScaler hands it); with ``step(closure)`` it wraps the
+  closure and counts once its first call has run the backward;
 * a forward pre-hook on the model: a new forward after gradients were seen ends the step's first
   backward, whose order is the one recorded (a Python counter per gradient hook: no sync).
 """
@@ -167,7 +168,17 @@ class Capture:
                 if g is not None:
                     grads.append(g)
                     todo.append(i)
-        if grads:
+        if not grads:
+            return
+        # A fused optimizer (fused=True, transformers' default adamw_torch_fused) under a GradScaler receives its
+        # gradients still scaled: GradScaler.step sets optimizer.grad_scale (a device tensor) and the kernel
+        # unscales in place, dividing by it. Count them as it will see them: divided here, one at a time (one
+        # gradient's temporary, no host sync). grad_scale is None once unscale_() ran (clipping).
+        scale = getattr(optimizer, "grad_scale", None)
+        if isinstance(scale, torch.Tensor):
+            for g, i in zip(grads, todo):
+                self.counter.add(torch.div(g, scale.to(g.device, non_blocking=True)), i)
+        else:
             self.counter.add_many(grads, todo)
 
     def _rows_of(self, optimizer) -> list:

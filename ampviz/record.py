@@ -17,10 +17,12 @@ It only observes. Add it around an unchanged loop::
 What is stored, and in which domain:
 
 * weight gradients, one histogram per parameter, **unscaled**: read in an optimizer step
-  pre-hook, i.e. as the optimizer sees them (after ``GradScaler.unscale_``, after every
+  pre-hook, i.e. as the optimizer sees them (after ``GradScaler.unscale_``, or divided by the
+  ``grad_scale`` a GradScaler hands a fused optimizer, whose kernel unscales them; after every
   accumulated micro-batch, after DDP's all-reduce, after any clipping); with ``step(closure)``
   (LBFGS, SAM, Lightning without a scaler) once the closure's first call has run the backward.
-  A step the scaler skips never reaches the optimizer; its gradients (unscaled in place by
+  A step the scaler skips never reaches the optimizer (a fused one's step runs and skips inside: counted
+  in the pre-hook as above); its gradients (unscaled in place by
   ``scaler.step``, containing the inf/nan) are read at ``rec.step()`` from references kept when
   autograd last accumulated them, so zeroing with ``set_to_none=True`` before ``rec.step()`` is fine.
   Under FSDP2 each rank counts its shard: the ranks' counts add up to the full gradient's.

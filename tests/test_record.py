@@ -340,3 +340,40 @@ def test_local_weights_needs_ddp():
     model = tiny_model()
     with pytest.raises(ValueError, match="local_weights: True needs a DistributedDataParallel"):
         ampviz.Recorder(model, local_weights=True)
+
+
+def test_weight_gradients_are_unscaled_for_a_fused_optimizer_under_a_grad_scaler():
+    # GradScaler hands a fused optimizer (fused=True; transformers' default adamw_torch_fused) its gradients scaled,
+    # with optimizer.grad_scale; the kernel unscales them in place (not on a step it skips). Both kinds of optimizer
+    # must be recorded as unscaled, skipped steps too
+    def train(fused):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else False)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_interval=2)
+        g = torch.Generator().manual_seed(1)
+        after_step = []                                   # each step's .grad after scaler.step
+        with ampviz.Recorder(model, opt, scaler, activations=False) as rec:
+            for _ in range(8):
+                x, y = torch.randn(16, 10, generator=g) * 100, torch.randint(0, 3, (16,), generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                after_step.append(np.stack([H.histogram(p.grad) for p in model.parameters()]))
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                rec.step(loss)
+        return rec.run, np.stack(after_step)
+
+    plain, plain_unscaled = train(fused=False)            # unscale_ divided every step's gradients in place
+    fused, fused_after = train(fused=True)
+    skipped = plain.skipped[0]
+    assert skipped.any() and not skipped.all() and (fused.skipped[0] == skipped).all()
+    np.testing.assert_array_equal(plain.counts[0], plain_unscaled)
+    applied = ~skipped
+    np.testing.assert_array_equal(fused.counts[0, applied], fused_after[applied])    # the kernel's own unscaling
+    # until the first applied update both runs have the same weights, hence the same (unscaled) gradients
+    same = slice(0, int(np.argmax(applied)) + 1)
+    np.testing.assert_array_equal(fused.counts[0, same], plain.counts[0, same])
+    assert fused.counts[0, skipped][..., H.ABOVE].sum() + fused.counts[0, skipped][..., H.NAN].sum() > 0

@@ -81,12 +81,6 @@ class AmpvizCallback(Callback):
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if len(optimizers) == 1 else None       # None: the Recorder's global hook
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and any(getattr(o, "_step_supports_amp_scaling", False) for o in optimizers):
-            # Recorder defect (reported): GradScaler hands a fused optimizer its gradients still scaled (its kernel
-            # unscales them; Lightning skips unscale_ for it), and the Recorder's step pre-hook reads them there
-            self._session.warn_once("fused", "a fused optimizer under '16-mixed': GradScaler hands it scaled "
-                                    "gradients, so the weight gradients are recorded multiplied by the loss scale "
-                                    "although labelled unscaled; use the optimizer without fused=True")
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if len(configs) == 1 else None
         self._session.start(pl_module, optimizer, scaler, scheduler,

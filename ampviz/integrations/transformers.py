@@ -92,15 +92,6 @@ class AmpvizCallback(TrainerCallback):
         self._scaler = getattr(optimizer, "scaler", None)
         if args.fp16 and self._scaler is None and args.device.type == "cpu":
             self._session.warn_once("fp16", f"TrainingArguments(fp16=True) {FP16_ON_CPU}")
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if self._scaler is not None and getattr(inner, "_step_supports_amp_scaling", False) and not args.max_grad_norm:
-            # Recorder defect (reported): GradScaler hands a fused optimizer its gradients still scaled (the
-            # kernel unscales them), and the Recorder's step pre-hook reads them there. Clipping unscales first.
-            self._session.warn_once("fused", f"{type(inner).__name__} is fused (transformers' default "
-                                    "adamw_torch_fused) and max_grad_norm=0: GradScaler hands it scaled gradients, "
-                                    "so the weight gradients are recorded multiplied by the loss scale although "
-                                    "labelled unscaled; set max_grad_norm > 0 (the Trainer then unscales before "
-                                    "the step) or optim='adamw_torch'")
         self._session.start(model, optimizer, self._scaler, lr_scheduler,
                             default_export_every=max(int(state.logging_steps), 1))
         self._loss_hook = model.register_forward_hook(self._on_forward)
