@@ -285,6 +285,7 @@ class Recorder:
         self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params))
         self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
+        self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
         self._created = time.time()
         # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
         root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
@@ -345,4 +346,6 @@ class Recorder:
                             "output": "unscaled"},
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
-                    "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()}}
+                    "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
+                # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
+                "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start}}

@@ -277,6 +277,20 @@ def test_a_scheduler_stepping_on_skipped_steps_is_reported_with_the_count():
     assert f["evidence"]["scheduler_last_epoch"] == 24 and f["evidence"]["optimizer_steps"] == 24 - sum(seen["skipped"])
 
 
+def test_a_resumed_scheduler_is_judged_from_where_it_stood_when_recording_began():
+    def resumed(opt):                                     # a scheduler restored 100 steps into a run
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.99 ** e)
+        for _ in range(100):
+            sched.step()
+        return sched
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 30), scheduler=resumed, steps=12)
+    assert run.meta["scheduler"] == {"last_epoch_at_start": 100} and seen["skipped"][0]
+    f = only(run.diagnose(), "scheduler_on_skipped")
+    assert f["evidence"]["advanced_on_skipped"] == int(np.sum(seen["skipped"])) and f["steps"][0] == 0
+    assert f["evidence"]["scheduler_start"] == 100
+
+
 def test_a_scheduler_that_waits_for_real_steps_is_clean():
     lam = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5)  # noqa: E731
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 30), scheduler=lam, steps=24, scheduler_on_skips=False)

@@ -313,13 +313,13 @@ def scheduler_findings(facts: Facts) -> list[dict]:
 
 
 def _scheduler_start(run, last_epoch: np.ndarray):
-    """The scheduler's ``last_epoch`` when recording began: stored in the run's metadata, or 0 for a fresh
-    scheduler (a torch scheduler's constructor leaves ``last_epoch`` at 0, so after the first step it is 0
+    """The scheduler's ``last_epoch`` when recording began: stored in the run's metadata (by the Recorder), or
+    0 for a fresh scheduler (a torch scheduler's constructor leaves ``last_epoch`` at 0, so after the first step it is 0
     or 1); None when unknown (a resumed scheduler)."""
     sched = run.meta.get("scheduler")
     value = sched.get("last_epoch_at_start") if isinstance(sched, dict) else None
-    if value is not None:
-        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
     return 0 if last_epoch[0] in (0, 1) else None
 
 
