@@ -151,9 +151,10 @@ class StepStore:
                       f"{self.every}th step from now on", AmpvizWarning, stacklevel=self.stacklevel)
 
     # ------------------------------------------------------------------ the result
-    def arrays(self, init_scale: float, skip_by_scale: bool, copy: bool) -> dict:
+    def arrays(self, init_scale: float, skip_by_scale: bool, copy: bool, hist_after: int = -1) -> dict:
         """Host arrays of everything flushed so far. ``copy=False`` returns views of the store (for the final
-        run: no second copy of the histograms); a snapshot of an open recorder needs ``copy=True``."""
+        run: no second copy of the histograms); a snapshot of an open recorder needs ``copy=True``. Only the
+        histograms of steps after ``hist_after`` are included (every step's scalars always are)."""
         nxt = np.concatenate(self.next_scale) if self.next_scale else np.zeros(0)
         used = np.concatenate([[init_scale], nxt[:-1]]) if nxt.size else np.zeros(0)
         loss = np.concatenate(self.loss) if self.loss else np.zeros(0)
@@ -162,7 +163,8 @@ class StepStore:
             order = np.zeros((0, self.n_tensors), dtype=np.int32)
             steps = np.zeros(0, dtype=np.int64)
         else:
-            counts, order, steps = self.counts[:self.n], self.order[:self.n], self.steps[:self.n]
+            first = int(np.searchsorted(self.steps[:self.n], hist_after, side="right")) if hist_after >= 0 else 0
+            counts, order, steps = (a[first:self.n] for a in (self.counts, self.order, self.steps))
             if copy:
                 counts, order, steps = counts.copy(), order.copy(), steps.copy()
         return {"steps": np.arange(nxt.size), "loss": loss, "loss_scale": used, "next_scale": nxt,

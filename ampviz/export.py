@@ -15,12 +15,13 @@ What is written, per step ``s`` (the optimizer step; TensorBoard's ``global_step
 * scalars ``ampviz/loss``, ``ampviz/loss_scale``, ``ampviz/skipped`` (1 when the step was skipped);
 * at each histogram step, per tensor: the histogram ``ampviz_<kind>/<tensor>`` whose x axis is
   **log2 |gradient|**: one bucket per binade (2**k, 2**(k+1)] with the limit k + 1, exactly ampviz's
-  own bins (written with ``SummaryWriter.add_histogram_raw`` and ``wandb.Histogram(np_histogram=...)``,
-  so nothing is re-binned and no tensor is cast: TensorBoard's own ``add_histogram`` converts bf16
-  tensors to fp16 first); the values <= 2**-126 form one bucket from -149 (the smallest fp32
-  subnormal) to -126. Zeros, inf (the column of |x| > 2**127, in practice inf) and nan have no
-  place on a log axis: they are the scalars ``ampviz_zeros/<kind>/<tensor>``, ``ampviz_inf/...``,
-  ``ampviz_nan/...``. A histogram with no finite non-zero value is not written.
+  own bins (torch's ``add_histogram_raw`` summaries, one TensorBoard event per step, and
+  ``wandb.Histogram(np_histogram=...)``, so nothing is re-binned and no tensor is cast: TensorBoard's
+  own ``add_histogram`` converts bf16 tensors to fp16 first); the values <= 2**-126 form one bucket
+  from -149 (the smallest fp32 subnormal) to -126. Zeros, inf (the column of |x| > 2**127, in
+  practice inf) and nan have no place on a log axis: they are the scalars
+  ``ampviz_zeros/<kind>/<tensor>``, ``ampviz_inf/...``, ``ampviz_nan/...``. A histogram with no
+  finite non-zero value is not written.
 
 ``domain`` picks the counts written: "recorded" (default: as stored, weights unscaled and activation
 gradients scaled; lossless), "unscaled" or "scaled" (shifted by the loss scale, see ``Run.counts_in``).
@@ -31,6 +32,7 @@ With several ranks, TensorBoard gets one sub-directory ``rank<r>`` per rank and 
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +75,8 @@ def _step_records(run: Run, rank_index: int, domain: str, prefix: str, after: in
     """(step, scalars, histograms) of every step > ``after`` of one rank: the payload both writers share."""
     hist_row = {int(s): i for i, s in enumerate(run.hist_steps)}
     names, kinds = run.tensor_names, run.tensor_kinds
-    for n, step in enumerate(run.steps.tolist()):
-        if step <= after:
-            continue
+    first = int(np.searchsorted(run.steps, after, side="right"))
+    for n, step in enumerate(run.steps[first:].tolist(), start=first):
         scalars = {f"{prefix}/loss": float(run.loss[rank_index, n]),
                    f"{prefix}/loss_scale": float(run.loss_scale[rank_index, n]),
                    f"{prefix}/skipped": float(run.skipped[rank_index, n])}
@@ -101,29 +102,45 @@ def _about(run: Run, domain: str) -> str:
 
 # ---------------------------------------------------------------------------- TensorBoard
 class _TensorBoardWriter:
+    """One event per step holding all of that step's scalars and histograms (TensorBoard reads each tag as
+    its own series): a step of a 72-tensor run is one event, not 288, so writing does not wait on the event
+    queue (the protos are torch's own ``add_scalar`` / ``add_histogram_raw`` summaries)."""
+
     def __init__(self, log_dir):
         if importlib.util.find_spec("tensorboard") is None:
             raise MissingExtra("export to TensorBoard needs tensorboard, which is not installed: "
                                "pip install tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from torch.utils.tensorboard import summary
+        self._Event, self._Summary, self._summary = Event, Summary, summary
         self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._events = EventFileWriter(str(self.log_dir))
+
+    def _add(self, step, summaries) -> None:
+        values = [v for s in summaries for v in s.value]
+        self._events.add_event(self._Event(wall_time=time.time(), step=int(step),
+                                           summary=self._Summary(value=values)))
 
     def write(self, step, scalars, histograms):
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, global_step=step)
+        parts = [self._summary.scalar(tag, value) for tag, value in scalars.items()]
         for tag, (edges, counts) in histograms.items():
             centers = (edges[:-1] + edges[1:]) / 2          # sum / sum_squares: TensorBoard only displays buckets
-            self.writer.add_histogram_raw(tag, min=float(edges[0]), max=float(edges[-1]), num=int(counts.sum()),
-                                          sum=float(centers @ counts), sum_squares=float(centers ** 2 @ counts),
-                                          bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(),
-                                          global_step=step)
+            parts.append(self._summary.histogram_raw(
+                tag, min=float(edges[0]), max=float(edges[-1]), num=int(counts.sum()), sum=float(centers @ counts),
+                sum_squares=float(centers ** 2 @ counts), bucket_limits=edges[1:].tolist(),
+                bucket_counts=counts.tolist()))
+        self._add(step, parts)
 
     def text(self, tag, text):
-        self.writer.add_text(tag, text, global_step=0)
+        self._add(0, [self._summary.text(tag, text)])
+
+    def flush(self):
+        self._events.flush()
 
     def close(self):
-        self.writer.close()
+        self._events.close()
 
 
 def to_tensorboard(run: Run, log_dir, *, domain: str = "recorded", prefix: str = "ampviz",
@@ -223,6 +240,12 @@ class LiveExport:
     def enabled(self) -> bool:
         return self._tb_dir is not None or self._wandb is not False
 
+    @property
+    def last_step(self) -> int:
+        """The last step written (-1 before the first): ``update(recorder.snapshot(after=last_step))``
+        hands over only the histograms not written yet."""
+        return self._after
+
     def update(self, run: Run) -> int:
         """Write the steps of ``run`` after the last one written; returns how many were written."""
         if not self.enabled or run.n_steps == 0:
@@ -235,7 +258,7 @@ class LiveExport:
                     writer.write(*record)
             self._after, written = record[0], written + 1
         if self._tb is not None:
-            self._tb.writer.flush()
+            self._tb.flush()
         return written
 
     def _open(self, run: Run) -> None:

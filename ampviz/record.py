@@ -270,6 +270,16 @@ class Recorder:
         self._flush()
         return self._build_run(final=False)
 
+    def snapshot(self, after: int = -1) -> Run:
+        """The run so far, like ``rec.run``, with the histograms of the steps after ``after`` only (every
+        step's loss, scale and skip flag are kept): what writing the new steps as they come needs, without
+        copying every histogram recorded so far each time (``ampviz.export.LiveExport`` uses it)."""
+        after = check_int("after", after, low=-1)
+        if self._run is not None or not self._open:
+            return self.run
+        self._flush()
+        return self._build_run(final=False, hist_after=after)
+
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         first = next(self.model.parameters(), None)
@@ -328,9 +338,9 @@ class Recorder:
         self._store.flush_scalars()
 
     # ------------------------------------------------------------------ the run
-    def _build_run(self, final: bool) -> Run:
+    def _build_run(self, final: bool, hist_after: int = -1) -> Run:
         skip_by_scale = self.scaler is not None and self.scaler.get_backoff_factor() < 1
-        a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final)
+        a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),

@@ -230,3 +230,20 @@ def test_a_snapshot_taken_mid_step_loses_none_of_that_steps_counts():
                 rec.step()
         counts.append(rec.run.counts)
     np.testing.assert_array_equal(counts[0], counts[1])
+
+
+def test_a_snapshot_after_a_step_holds_only_the_later_histograms_and_every_steps_scalars():
+    # what live export hands over every export_every steps: copying every histogram each time was quadratic
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampviz.Recorder(model, opt, every=2) as rec:
+        train(model, opt, rec, 9)
+        full, recent = rec.run, rec.snapshot(after=3)
+        assert rec.snapshot().hist_steps.tolist() == full.hist_steps.tolist() == [0, 2, 4, 6, 8]
+        with pytest.raises(ValueError, match="after"):
+            rec.snapshot(after=-2)
+    assert recent.hist_steps.tolist() == [4, 6, 8] and recent.n_steps == full.n_steps == 9
+    np.testing.assert_array_equal(recent.counts, full.counts[:, 2:])
+    for name in ("loss", "loss_scale", "skipped"):
+        np.testing.assert_array_equal(getattr(recent, name), getattr(full, name))
+    assert rec.snapshot(after=3).hist_steps.tolist() == [0, 2, 4, 6, 8]       # closed: the whole run

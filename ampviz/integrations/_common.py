@@ -80,7 +80,8 @@ class Session:
         self.recorder.step(self._loss)
         self._loss, self._steps = None, self._steps + 1
         if self.live.enabled and self.recorder.enabled and self._steps % self._every == 0:
-            self.live.update(self.recorder.run)          # a snapshot: one host copy of what was recorded
+            # a snapshot holding only the histograms not written yet: one host copy of the new steps
+            self.live.update(self.recorder.snapshot(after=self.live.last_step))
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
