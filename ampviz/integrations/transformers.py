@@ -34,6 +34,11 @@ Measured with transformers 5.24 and accelerate 1.15 on a CPU (``tests/integratio
   scaler skips (the fused kernel skips the update itself), so ``accelerator.optimizer_step_was_skipped`` stays
   False and the LR scheduler steps on skipped steps. ampviz's ``skipped`` comes from the scale going down.
 
+With ``TrainingArguments(torch_compile=True)`` accelerate compiles a wrapper around the model that callbacks
+never see; the callback applies the Recorder's compile rules itself: weight gradients are recorded, activation
+capture is off (a warning; an explicit ``activations=`` or ``outputs=`` choice is an error), no graph break is
+added and training is unchanged.
+
 If ``trainer.train()`` raises, the Trainer calls no callback: call ``callback.close()`` (in a ``finally:``)
 to remove the hooks and save what was recorded. Each ``train()`` call starts a new recording.
 """
@@ -92,8 +97,10 @@ class AmpvizCallback(TrainerCallback):
         self._scaler = getattr(optimizer, "scaler", None)
         if args.fp16 and self._scaler is None and args.device.type == "cpu":
             self._session.warn_once("fp16", f"TrainingArguments(fp16=True) {FP16_ON_CPU}")
+        # torch_compile=True: accelerate compiles a wrapper the callbacks never see, around this same model
         self._session.start(model, optimizer, self._scaler, lr_scheduler,
-                            default_export_every=max(int(state.logging_steps), 1))
+                            default_export_every=max(int(state.logging_steps), 1),
+                            compiled_by="TrainingArguments(torch_compile=True)" if args.torch_compile else None)
         self._loss_hook = model.register_forward_hook(self._on_forward)
         self._terms = 0
 

@@ -2,6 +2,7 @@
 that observe the same Trainer independently: its own logged loss, gradients captured at
 ``on_pre_optimizer_step`` and activation gradients from tensor hooks, binned with numpy.frexp."""
 
+import shutil
 import warnings
 
 import numpy as np
@@ -213,3 +214,27 @@ def test_real_fp16_on_a_gpu(tmp_path):
     assert isinstance(trainer.accelerator.scaler, torch.amp.GradScaler)
     assert_matches_oracle(callback.run, oracle, trainer)
     np.testing.assert_array_equal(callback.run.next_scale[0], oracle.scales)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler")
+def test_torch_compile_true_adds_no_graph_break_and_changes_nothing(tmp_path):
+    # accelerate compiles a wrapper the callback never sees: hooks on the model's modules would run inside the
+    # compiled graph (32 graph breaks on this BERT before the callback knew), so activation capture is off
+    import torch._dynamo
+
+    def compiled(callbacks):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        trainer, _ = train(tmp_path, callbacks, torch_compile=True, max_steps=3)
+        return trainer.model, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+    plain, plain_breaks = compiled([])
+    callback = AmpvizCallback()
+    with pytest.warns(ampviz.AmpvizWarning, match="torch_compile=True"):
+        recorded, breaks = compiled([callback])
+    assert breaks == plain_breaks == 0 and params_equal(plain, recorded)
+    run = callback.run
+    assert run.n_steps == 3 and set(run.tensor_kinds) == {"weight"} and (run.counts[0].sum(axis=-1) > 0).all()
+    with pytest.raises(ValueError, match="activations='classifier' with TrainingArguments"):
+        train(tmp_path, [AmpvizCallback(activations="classifier")], torch_compile=True, max_steps=1)
