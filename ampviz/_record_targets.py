@@ -26,8 +26,13 @@ def is_compile_wrapper(module) -> bool:
 
 
 def is_compiled(module) -> bool:
-    """A module that runs under torch.compile: ``torch.compile(m)``'s wrapper or ``m.compile()``."""
-    return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
+    """A module that runs under torch.compile: ``torch.compile(m)``'s wrapper, ``m.compile()``, or a forward
+    replaced by a compiled one (``m.forward = torch.compile(m.forward)``; what Lightning does to a compiled
+    LightningModule given to ``trainer.fit``)."""
+    if is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    forward = vars(module).get("forward") if hasattr(module, "__dict__") else None
+    return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
 
 
 def unwrap_model(model: nn.Module):

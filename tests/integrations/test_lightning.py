@@ -3,6 +3,8 @@ the module's own losses, gradients captured at ``on_before_optimizer_step`` (aft
 what the optimizer receives when nothing is clipped) and activation gradients from tensor hooks, binned with
 numpy.frexp."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -161,3 +163,34 @@ def test_live_wandb_export_from_the_callback(tmp_path, monkeypatch):
     for row, step in zip(rows, run.steps.tolist()):
         for t, name in enumerate(run.tensor_names):
             np.testing.assert_array_equal(wandb_row(row, "ampviz", "weight", name), run.counts[0, step, t])
+
+
+class ForwardClassifier(Classifier):
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).float(), y)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler")
+def test_a_compiled_module_given_to_fit_adds_no_graph_break_and_changes_nothing():
+    # trainer.fit(torch.compile(module)) unwraps the module and compiles its forward in place: the callback sees
+    # the plain module, whose submodules run inside the compiled forward
+    import torch._dynamo
+
+    def compiled(callbacks):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        _, module = fit(callbacks, "bf16-mixed", module=torch.compile(ForwardClassifier()), max_steps=3)
+        return module, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+    plain, plain_breaks = compiled([])
+    callback = AmpvizCallback()
+    with pytest.warns(ampviz.AmpvizWarning, match="runs under torch.compile"):
+        recorded, breaks = compiled([callback])
+    assert breaks == plain_breaks == 0 and params_equal(plain, recorded)
+    run = callback.run
+    assert run.n_steps == 3 and set(run.tensor_kinds) == {"weight"} and "_orig_mod" not in "".join(run.tensor_names)
