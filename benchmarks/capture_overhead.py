@@ -16,6 +16,8 @@ copy of the model (same initial weights), optimizer and capture object:
     ampviz-outputs  ampviz.Recorder(activations=False, outputs=True)   (weights + forward outputs)
     ampviz-all-out  ampviz.Recorder(activations=True, outputs=True)    (weights + output grads + outputs)
     tensorboard     SummaryWriter.add_histogram on every weight gradient every step
+    ampviz-hooks    ampviz-all with its counting switched off (not run unless named in --variants): what
+                    the hooks themselves cost, the rest of ampviz-all being the counting
 
 ``--variants`` picks some (base is always run), e.g. to compare with an older ampviz that lacks outputs=.
 
@@ -47,6 +49,7 @@ from ampviz.examples.models import CharTransformer
 
 VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "ampviz-outputs", "ampviz-all-out",
             "tensorboard"]
+DIAGNOSTIC = ["ampviz-hooks"]
 
 
 def make_workload(name: str, device="cpu", width: int = 1024):
@@ -82,9 +85,13 @@ class Variant:
         if name.startswith("ampviz"):
             outputs = {"outputs": True} if name in ("ampviz-outputs", "ampviz-all-out") else {}
             self.rec = ampviz.Recorder(self.model, self.opt, self.scaler,
-                                       activations=name in ("ampviz-all", "ampviz-every10", "ampviz-all-out"),
+                                       activations=name in ("ampviz-all", "ampviz-every10", "ampviz-all-out",
+                                                            "ampviz-hooks"),
                                        every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs)
             self.rec.__enter__()
+            if name == "ampviz-hooks":                    # every hook fires; nothing is counted
+                self.rec._counter.add = lambda x, row: None
+                self.rec._counter.add_many = lambda xs, rows: None
         elif name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(f"{logdir}/{workload}")
@@ -158,12 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=10,
                     help="consecutive steps per variant per round (a multiple of 10: one every=10 capture per block)")
     ap.add_argument("--variants", default=",".join(VARIANTS[1:]),
-                    help=f"comma-separated, from {', '.join(VARIANTS[1:])} (base is always run)")
+                    help=f"comma-separated, from {', '.join(VARIANTS[1:] + DIAGNOSTIC)} (base is always run)")
     a = ap.parse_args(argv)
     names = ["base"] + [v for v in a.variants.split(",") if v and v != "base"]
-    unknown = sorted(set(names) - set(VARIANTS))
+    unknown = sorted(set(names) - set(VARIANTS) - set(DIAGNOSTIC))
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS[1:]}")
+        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS[1:] + DIAGNOSTIC}")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ampviz {ampviz.__version__}, "
