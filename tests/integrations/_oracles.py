@@ -4,15 +4,28 @@ what TensorBoard and W&B wrote (tensorboard's own EventAccumulator; W&B's record
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import frexp_columns
 
 import ampviz.histogram as H
+
+needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler")
+
+
+def with_graph_breaks(train):
+    """(what ``train()`` returns, the graph breaks it caused), from a fresh torch.compile state."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    result = train()
+    return result, sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 def binned(*tensors) -> np.ndarray:

@@ -3,13 +3,11 @@ the module's own losses, gradients captured at ``on_before_optimizer_step`` (aft
 what the optimizer receives when nothing is clipped) and activation gradients from tensor hooks, binned with
 numpy.frexp."""
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _oracles import binned, params_equal, wandb_history, wandb_row
+from _oracles import binned, needs_cxx, params_equal, wandb_history, wandb_row, with_graph_breaks
 
 import ampviz
 
@@ -175,17 +173,13 @@ class ForwardClassifier(Classifier):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler")
+@needs_cxx
 def test_a_compiled_module_given_to_fit_adds_no_graph_break_and_changes_nothing():
     # trainer.fit(torch.compile(module)) unwraps the module and compiles its forward in place: the callback sees
     # the plain module, whose submodules run inside the compiled forward
-    import torch._dynamo
-
     def compiled(callbacks):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        _, module = fit(callbacks, "bf16-mixed", module=torch.compile(ForwardClassifier()), max_steps=3)
-        return module, sum(torch._dynamo.utils.counters["graph_break"].values())
+        return with_graph_breaks(lambda: fit(callbacks, "bf16-mixed", module=torch.compile(ForwardClassifier()),
+                                             max_steps=3)[1])
 
     plain, plain_breaks = compiled([])
     callback = AmpvizCallback()

@@ -2,13 +2,12 @@
 that observe the same Trainer independently: its own logged loss, gradients captured at
 ``on_pre_optimizer_step`` and activation gradients from tensor hooks, binned with numpy.frexp."""
 
-import shutil
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from _oracles import binned, params_equal, read_tensorboard, tensorboard_row
+from _oracles import binned, needs_cxx, params_equal, read_tensorboard, tensorboard_row, with_graph_breaks
 
 import ampviz
 import ampviz.doctor
@@ -217,17 +216,12 @@ def test_real_fp16_on_a_gpu(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler")
+@needs_cxx
 def test_torch_compile_true_adds_no_graph_break_and_changes_nothing(tmp_path):
     # accelerate compiles a wrapper the callback never sees: hooks on the model's modules would run inside the
     # compiled graph (32 graph breaks on this BERT before the callback knew), so activation capture is off
-    import torch._dynamo
-
     def compiled(callbacks):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        trainer, _ = train(tmp_path, callbacks, torch_compile=True, max_steps=3)
-        return trainer.model, sum(torch._dynamo.utils.counters["graph_break"].values())
+        return with_graph_breaks(lambda: train(tmp_path, callbacks, torch_compile=True, max_steps=3)[0].model)
 
     plain, plain_breaks = compiled([])
     callback = AmpvizCallback()
