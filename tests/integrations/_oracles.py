@@ -3,7 +3,9 @@ what TensorBoard and W&B wrote (tensorboard's own EventAccumulator; W&B's record
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import struct
 import time
@@ -26,6 +28,22 @@ def with_graph_breaks(train):
     torch._dynamo.utils.counters.clear()
     result = train()
     return result, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@contextlib.contextmanager
+def restored_determinism():
+    """Put back what ``TrainingArguments(full_determinism=True)`` changes for the whole process (torch's
+    deterministic-algorithms switch, cuDNN's flags, five environment variables), so later tests run as before."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def binned(*tensors) -> np.ndarray:

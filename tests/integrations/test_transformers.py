@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _oracles import binned, needs_cxx, params_equal, read_tensorboard, tensorboard_row, with_graph_breaks
+from _oracles import (binned, needs_cxx, params_equal, read_tensorboard, restored_determinism, tensorboard_row,
+                      with_graph_breaks)
 
 import ampviz
 import ampviz.doctor
@@ -219,14 +220,19 @@ def test_real_fp16_on_a_gpu(tmp_path):
 @needs_cxx
 def test_torch_compile_true_adds_no_graph_break_and_changes_nothing(tmp_path):
     # accelerate compiles a wrapper the callback never sees: hooks on the model's modules would run inside the
-    # compiled graph (32 graph breaks on this BERT before the callback knew), so activation capture is off
+    # compiled graph (32 graph breaks on this BERT before the callback knew), so activation capture is off.
+    # full_determinism: on a CPU inductor compiles the embeddings' backward to atomic adds from two threads, whose
+    # order follows thread timing, so two runs WITHOUT ampviz can end with different weights (CI saw it once, and a
+    # callback that only spins 5 ms per step does it too); deterministic algorithms make the compiled run repeatable
     def compiled(callbacks):
-        return with_graph_breaks(lambda: train(tmp_path, callbacks, torch_compile=True, max_steps=3)[0].model)
+        return with_graph_breaks(lambda: train(tmp_path, callbacks, torch_compile=True, max_steps=3,
+                                               full_determinism=True)[0].model)
 
-    plain, plain_breaks = compiled([])
-    callback = AmpvizCallback()
-    with pytest.warns(ampviz.AmpvizWarning, match="torch_compile=True"):
-        recorded, breaks = compiled([callback])
+    with restored_determinism():
+        plain, plain_breaks = compiled([])
+        callback = AmpvizCallback()
+        with pytest.warns(ampviz.AmpvizWarning, match="torch_compile=True"):
+            recorded, breaks = compiled([callback])
     assert breaks == plain_breaks == 0 and params_equal(plain, recorded)
     run = callback.run
     assert run.n_steps == 3 and set(run.tensor_kinds) == {"weight"} and (run.counts[0].sum(axis=-1) > 0).all()
