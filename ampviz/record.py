@@ -112,11 +112,14 @@ class Recorder:
         directory, which receives ``rank{r}.npz``. Checked here: a path that could never be written
         is an error now, not after training.
     enabled : False makes the recorder a no-op (no hooks), like ``autocast(enabled=False)``.
+    compiled_by : where a framework runs ``model`` under torch.compile through a wrapper the Recorder never
+        sees, the setting that does it (e.g. ``"TrainingArguments(torch_compile=True)"``): the rules above for
+        compiled models then apply to the whole model, and the warning and errors name the setting.
     """
 
     def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, outputs=False,
                  local_weights=False, scheduler=None, every: int = 1, flush_every: int = 32,
-                 max_bytes: int = 256 << 20, path=None, enabled: bool = True):
+                 max_bytes: int = 256 << 20, path=None, enabled: bool = True, compiled_by: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.optimizer, self.scheduler = unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
@@ -126,7 +129,12 @@ class Recorder:
             check_int(name, value, low=1)
         self.enabled, self.path = bool(enabled), check_path(path)
         self._given = model
+        if compiled_by is not None and not (isinstance(compiled_by, str) and compiled_by):
+            raise TypeError(f"compiled_by: expected the setting that compiles the model, as a non-empty str, or "
+                            f"None, got {compiled_by!r}")
         self.model, self._ddp, self._compiled = unwrap_model(model)
+        self._compiled_by = compiled_by
+        self._compiled = self._compiled or compiled_by is not None
         if local_weights and self._ddp is None:
             raise ValueError("local_weights: True needs a DistributedDataParallel model (local and reduced "
                              "gradients only differ under DDP)")
@@ -170,12 +178,14 @@ class Recorder:
         hit = [n for n, m in chosen if id(m) in inside]
         if not hit:
             return chosen
+        by = self._compiled_by
         if spec is not True or argname == "outputs":         # asked for, not the default: refuse
-            raise ValueError(f"{argname}: {len(hit)} chosen modules run inside torch.compile ({', '.join(hit[:3])}); "
+            what = argname if by is None else f"{argname}={spec!r} with {by}"
+            raise ValueError(f"{what}: {len(hit)} chosen modules run inside torch.compile ({', '.join(hit[:3])}); "
                              f"a hook on them would add graph breaks and change the compiled training. Record "
                              f"the model without torch.compile, or pass {argname}=False (weights are still recorded)")
         if self.enabled:
-            warnings.warn(f"{argname}: the model runs under torch.compile, where a hook on its modules would add "
+            warnings.warn(f"{by or argname}: the model runs under torch.compile, where a hook on its modules would add "
                           f"graph breaks and change training, so {argname} are not recorded for {len(hit)} modules "
                           f"(weight gradients still are); pass {argname}=False to say so", AmpvizWarning, stacklevel=3)
         return [(n, m) for n, m in chosen if id(m) not in inside]

@@ -70,6 +70,24 @@ def test_asking_for_activations_of_a_compiled_model_is_an_error():
         ampviz.Recorder(compiled, activations=False, outputs=True)
 
 
+def test_compiled_by_applies_the_compile_rules_to_a_model_compiled_out_of_sight_and_names_the_setting():
+    # a framework that compiles a wrapper the Recorder never sees (HF's torch_compile=True) hands it the plain model
+    model = build()
+    with pytest.warns(AmpvizWarning, match=r"^Trainer\(compile=1\): the model runs under torch.compile.*not recorded "
+                                           r"for 3 modules"):
+        rec = ampviz.Recorder(model, compiled_by="Trainer(compile=1)")
+    assert rec.tensor_kinds == ["weight"] * 6
+    with pytest.raises(ValueError, match=r"^activations='3' with Trainer\(compile=1\): 1 chosen modules run inside"):
+        ampviz.Recorder(model, activations="3", compiled_by="Trainer(compile=1)")
+    with pytest.raises(ValueError, match=r"^outputs=True with Trainer\(compile=1\)"):
+        ampviz.Recorder(model, activations=False, outputs=True, compiled_by="Trainer(compile=1)")
+    with pytest.raises(TypeError, match="compiled_by: .* got True"):
+        ampviz.Recorder(model, compiled_by=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(ampviz.Recorder(model).tensor_names) == 9     # without it: 6 weights, 3 activations
+
+
 def test_a_compiled_block_keeps_its_name_and_the_rest_is_recorded():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))

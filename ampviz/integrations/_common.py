@@ -54,35 +54,18 @@ class Session:
               compiled_by: str | None = None) -> Recorder:
         """Enter a Recorder on what the framework holds; ``scheduler`` unless the options name one.
         ``compiled_by``: the setting that makes the framework run ``model`` under torch.compile through a
-        wrapper the callback never sees (the Recorder's compile rules then apply as if it had been given it)."""
+        wrapper the callback never sees (the Recorder's ``compiled_by``)."""
         self.close()                             # a second trainer.fit()/train() starts a new recording
         world, rank = _dist_info()
         options = {"scheduler": scheduler, **self.options}
         if compiled_by is not None:
-            options.update(self._compile_safe(options, compiled_by))
+            options["compiled_by"] = compiled_by
         self.recorder = Recorder(model, optimizer, scaler=scaler, path=self.path, **options)
         self.live = LiveExport(self.tensorboard, self.wandb, domain=self.domain, rank=rank, world=world)
         self._every = self.export_every or default_export_every
         self._loss, self._steps = None, 0
         self.recorder.__enter__()
         return self.recorder
-
-    def _compile_safe(self, options: dict, compiled_by: str) -> dict:
-        """The Recorder's rules under torch.compile: hooks on compiled modules would add graph breaks and
-        change training, so the default activation capture is switched off (with a warning) and an explicit
-        choice of activations or outputs is refused."""
-        for name, default in (("activations", True), ("outputs", False)):
-            value = options.get(name, default)
-            if value is False or (value is True and name == "activations"):
-                continue
-            raise ValueError(f"{self.where}: {name}={value!r} with {compiled_by}: the model runs under "
-                             f"torch.compile, where a hook on its modules would add graph breaks and change the "
-                             f"compiled training; pass {name}=False (weights are still recorded)")
-        if options.get("activations", True) is True:
-            self.warn_once("compiled", f"{compiled_by}: the model runs under torch.compile, where a hook on its "
-                           f"modules would add graph breaks and change training, so activation gradients are not "
-                           f"recorded (weight gradients still are); pass activations=False to say so")
-        return {"activations": False}
 
     @property
     def open(self) -> bool:
