@@ -10,6 +10,17 @@ import torch.nn.functional as F
 import ampviz
 
 
+def exit_worker() -> None:
+    """End a worker whose work is saved (after a barrier, so no rank closes its sockets while the other still
+    uses them): exit without the interpreter's teardown, where a process group still held by torch's caches
+    (the device mesh) is destroyed while its gloo threads run. That crashed one FSDP2 rank with SIGABRT
+    ("terminate called without an active exception") in one full-suite run under load."""
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run(rank, world, port, out_dir, accum=2, steps=4, file_name=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -37,8 +48,10 @@ def run(rank, world, port, out_dir, accum=2, steps=4, file_name=None):
                 opt.zero_grad(set_to_none=True)
                 rec.step(loss)
         torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, f"params{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 class _null:
@@ -90,8 +103,10 @@ def bert_run(out_dir, steps=3, accum=2):
         torch.save(finals, os.path.join(out_dir, f"bert{rank}.pt"))
         with open(os.path.join(out_dir, f"threads{rank}.json"), "w") as f:
             json.dump(threads, f)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

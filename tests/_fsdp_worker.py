@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _ddp_worker import exit_worker
 
 import ampviz
 from ampviz import histogram as H
@@ -51,5 +52,7 @@ def run(rank, world, port, out_dir, steps=3):
         torch.save({"sharded": shards, "unsharded": [p.detach() for p in full.parameters()],
                     "local_sizes": [p.to_local().numel() for p in sharded.parameters()]},
                    os.path.join(out_dir, f"weights{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_worker()

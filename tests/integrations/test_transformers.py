@@ -7,8 +7,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _oracles import (binned, needs_cxx, params_equal, read_tensorboard, restored_determinism, tensorboard_row,
-                      with_graph_breaks)
+from _oracles import (
+    binned,
+    needs_cxx,
+    params_equal,
+    read_tensorboard,
+    restored_determinism,
+    tensorboard_row,
+    with_graph_breaks,
+)
 
 import ampviz
 import ampviz.doctor
