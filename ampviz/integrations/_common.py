@@ -41,6 +41,12 @@ class Session:
 
     def __init__(self, where: str, path, options: dict, tensorboard, wandb, export_every, domain: str):
         self.where, self.path, self.options = where, path, check_recorder_options(options, where)
+        if options.get("local_weights"):
+            raise ValueError(f"{where}: local_weights=True cannot be recorded from a callback: the trainer hands "
+                             f"callbacks the model itself, not its DistributedDataParallel wrapper, whose backward "
+                             f"is where local gradients are read. The default records the all-reduced gradients the "
+                             f"optimizer uses; for local ones, use ampviz.Recorder(ddp_model, local_weights=True) "
+                             f"in your own loop")
         if export_every is not None:
             check_int("export_every", export_every, low=1)
         self.export_every, self.tensorboard, self.wandb, self.domain = export_every, tensorboard, wandb, domain

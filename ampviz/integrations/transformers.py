@@ -35,9 +35,12 @@ Measured with transformers 5.24 and accelerate 1.15 on a CPU (``tests/integratio
   False and the LR scheduler steps on skipped steps. ampviz's ``skipped`` comes from the scale going down.
 
 With ``TrainingArguments(torch_compile=True)`` accelerate compiles a wrapper around the model that callbacks
-never see; the callback applies the Recorder's compile rules itself: weight gradients are recorded, activation
+never see; the callback tells the Recorder so (``compiled_by=``): weight gradients are recorded, activation
 capture is off (a warning; an explicit ``activations=`` or ``outputs=`` choice is an error), no graph break is
-added and training is unchanged.
+added and training is unchanged (compared with ``full_determinism=True``: on a CPU the compiled embedding
+backward uses atomic adds, so two compiled runs can differ without ampviz).
+
+Callbacks get the model, not the DDP wrapper (``trainer.model_wrapped``), so ``local_weights=True`` is refused.
 
 If ``trainer.train()`` raises, the Trainer calls no callback: call ``callback.close()`` (in a ``finally:``)
 to remove the hooks and save what was recorded. Each ``train()`` call starts a new recording.

@@ -143,6 +143,12 @@ def test_16_mixed_on_the_cpu_is_bf16_unless_the_plugin_is_given():
     assert trainer.precision_plugin.precision == "bf16-mixed" and trainer.precision_plugin.scaler is None
 
 
+def test_local_weights_are_refused_at_construction():
+    # hooks receive the LightningModule; local (pre-all-reduce) gradients need the DDP wrapper's backward
+    with pytest.raises(ValueError, match="local_weights=True cannot be recorded from a callback"):
+        AmpvizCallback(local_weights=True)
+
+
 def test_live_wandb_export_from_the_callback(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",

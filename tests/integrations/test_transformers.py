@@ -211,6 +211,9 @@ def test_recorder_options_are_checked_at_construction():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AmpvizCallback(every=2, activations=False)              # valid options: no warning, no error
+    # the Trainer hands callbacks self.model, never the DDP wrapper (model_wrapped) whose backward local_weights hooks
+    with pytest.raises(ValueError, match="local_weights=True cannot be recorded from a callback.*DataParallel"):
+        AmpvizCallback(local_weights=True)
 
 
 @pytest.mark.gpu
