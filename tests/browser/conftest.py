@@ -5,8 +5,8 @@ runs as root) with fresh config / data / runtime / IPython directories under pyt
 two user settings: the default kernel starts without a dialog, and no news is fetched. Its
 teardown deletes every session and kernel through the REST API and stops the server by PID,
 also when the test failed. ``page`` is a Playwright page in ``/usr/bin/chromium`` with a fresh
-profile; it records uncaught page errors in ``page.errors`` and dismisses every dialog (alert,
-confirm, prompt), recording it in ``page.dialogs``. Everything is skipped, with the reason, when
+profile; it records uncaught page errors in ``page.errors`` and every dialog in ``page.dialogs``,
+dismissing alerts, confirms and prompts and accepting beforeunload (a navigation goes ahead). Everything is skipped, with the reason, when
 Chromium is not installed (set ``AMPVIZ_CHROMIUM`` to use a Chromium elsewhere).
 """
 
@@ -172,7 +172,7 @@ def lab(chromium, tmp_path_factory):
 @pytest.fixture
 def page(chromium, tmp_path):
     """A Playwright page in headless Chromium with a fresh profile; uncaught errors in ``page.errors``,
-    dialogs (dismissed) in ``page.dialogs``."""
+    dialogs in ``page.dialogs`` (dismissed, except beforeunload: leaving the page goes ahead)."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
@@ -182,7 +182,10 @@ def page(chromium, tmp_path):
             pg = context.pages[0] if context.pages else context.new_page()
             pg.errors, pg.dialogs = [], []
             pg.on("pageerror", lambda e: pg.errors.append(str(e)))
-            pg.on("dialog", lambda d: (pg.dialogs.append(f"{d.type}: {d.message}"), d.dismiss()))
+            # a beforeunload dialog is accepted: dismissing it cancels the navigation the test asked for (goto
+            # fails with net::ERR_ABORTED), and JupyterLab raises one whenever a notebook has unsaved outputs
+            pg.on("dialog", lambda d: (pg.dialogs.append(f"{d.type}: {d.message}"),
+                                       d.accept() if d.type == "beforeunload" else d.dismiss()))
             pg.set_default_timeout(60_000)
             yield pg
         finally:

@@ -180,6 +180,19 @@ def test_widgets_render_and_sliders_update_plots(lab, page, tmp_path):
     assert not page.errors, f"errors in the page: {page.errors[:5]}"
 
 
+@pytest.mark.browser
+@pytest.mark.slow
+def test_a_stalled_run_can_reopen_the_notebook_it_left_with_unsaved_outputs(lab, page):
+    # the stall recovery above reloads the page; the run left outputs unsaved, so JupyterLab asks "leave the
+    # page?" (beforeunload), and a dismissed dialog aborted the reload (seen in a full suite under load)
+    lab.start_session(NOTEBOOK)
+    _open_notebook(page, lab)
+    _click_run_all(page)
+    page.wait_for_selector(".jp-NotebookPanel.jp-mod-dirty, .jp-mod-dirty", timeout=60_000)
+    _open_notebook(page, lab)
+    assert page.dialogs[-1:] == ["beforeunload: "] and "widgets.ipynb" in page.url
+
+
 def test_widget_notebook_is_stripped_and_shows_every_widget():
     """No browser needed: the notebook this test drives is committed stripped and tags each widget."""
     nb = nbformat.read(Path(__file__).with_name(NOTEBOOK), as_version=4)
