@@ -7,7 +7,8 @@ teardown deletes every session and kernel through the REST API and stops the ser
 also when the test failed. ``page`` is a Playwright page in ``/usr/bin/chromium`` with a fresh
 profile; it records uncaught page errors in ``page.errors`` and every dialog in ``page.dialogs``,
 dismissing alerts, confirms and prompts and accepting beforeunload (a navigation goes ahead).
-Everything is skipped, with the reason, when Chromium is not installed (set ``AMPVIZ_CHROMIUM`` to use a Chromium elsewhere).
+Everything is skipped, with the reason, when Chromium is not installed (set ``AMPVIZ_CHROMIUM``
+to use a Chromium elsewhere).
 """
 
 from __future__ import annotations
