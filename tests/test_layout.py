@@ -117,3 +117,10 @@ def test_readme_layout_lists_every_folder_and_core_module():
     for folder in ("lessons/", "plots/", "widgets/", "examples/", "integrations/", "tests/", "benchmarks/", "docs/"):
         if (PACKAGE / folder).exists() or (ROOT / folder).exists():
             assert folder in layout, f"README Layout does not mention {folder}"
+
+
+def test_the_package_tests_benchmarks_and_lessons_pass_ruff():
+    # pyproject's [tool.ruff] (notebooks included): unused imports, undefined names, import order, line length
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-1000:]
