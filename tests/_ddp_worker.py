@@ -1,5 +1,6 @@
 """A 2-process gloo DDP + fp16 GradScaler + accumulation loop recorded on every rank (run by test_record)."""
 
+import faulthandler
 import os
 
 import torch
@@ -22,6 +23,7 @@ def exit_worker() -> None:
 
 
 def run(rank, world, port, out_dir, accum=2, steps=4, file_name=None):
+    faulthandler.enable(all_threads=True)      # a crash prints every thread's stack (pytest shows stderr)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -1,6 +1,7 @@
 """FSDP2 (fully_shard) on 2 CPU ranks over gloo, recorded; and the same model unsharded on the same data
 (run by tests/test_record_fsdp.py through torch.multiprocessing.spawn)."""
 
+import faulthandler
 import os
 
 import numpy as np
@@ -22,6 +23,7 @@ def model():
 def run(rank, world, port, out_dir, steps=3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    faulthandler.enable(all_threads=True)      # a crash prints every thread's stack (pytest shows stderr)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
