@@ -3,6 +3,7 @@ weight counts add up to the histogram of the full gradient. 2 CPU ranks on gloo,
 trained on the same data in the same processes (FSDP2 runs on the CPU with gloo in torch 2.13)."""
 
 import socket
+import warnings
 
 import numpy as np
 import pytest
@@ -12,13 +13,29 @@ import torch.multiprocessing as mp
 import ampviz
 
 
-@pytest.mark.slow
-def test_fsdp2_local_shard_counts_add_up_to_the_full_gradient(tmp_path):
+def spawn_fsdp(out_dir) -> None:
     import _fsdp_worker
+    out_dir.mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_fsdp_worker.run, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker.run, args=(2, port, str(out_dir)), nprocs=2, join=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_local_shard_counts_add_up_to_the_full_gradient(tmp_path, capfd):
+    import _fsdp_worker
+    try:
+        spawn_fsdp(tmp_path := tmp_path / "run")
+    except mp.ProcessExitedException as e:
+        # a rank killed by a signal (not a Python error): 2 of 6 full suites (never this test alone: 0 of 61 runs)
+        # lost rank 1 to SIGABRT / SIGSEGV, cause not yet known. Run once more; the warning carries the crashed
+        # rank's stacks (faulthandler), so the CI log shows where it died; a second crash fails the test
+        if not e.signal_name:
+            raise
+        warnings.warn(f"FSDP2 on gloo: rank {e.error_index} died with {e.signal_name}; ran it again. "
+                      f"stderr:\n{capfd.readouterr().err[-6000:]}", stacklevel=1)
+        spawn_fsdp(tmp_path := tmp_path.with_name("again"))
     run = ampviz.Run.load(tmp_path)
     assert run.ranks == [0, 1] and run.meta["world_size"] == 2
     weights = [i for i, k in enumerate(run.tensor_kinds) if k == "weight"]
