@@ -17,6 +17,7 @@ import torch
 from conftest import frexp_columns
 
 import ampviz.histogram as H
+from ampviz import AmpvizWarning
 
 needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor needs a C++ compiler")
 
@@ -44,6 +45,16 @@ def restored_determinism():
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
         os.environ.clear()
         os.environ.update(environ)
+
+
+def compiled_with_and_without(compiled, callback, warning: str):
+    """Train ``compiled(callbacks)`` without, then with ``callback`` (which must warn ``warning``): no graph break
+    either way and the same final weights. Returns the recorded run."""
+    plain, plain_breaks = compiled([])
+    with pytest.warns(AmpvizWarning, match=warning):
+        recorded, breaks = compiled([callback])
+    assert breaks == plain_breaks == 0 and params_equal(plain, recorded)
+    return callback.run
 
 
 def binned(*tensors) -> np.ndarray:

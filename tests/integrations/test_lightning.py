@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _oracles import binned, needs_cxx, params_equal, wandb_history, wandb_row, with_graph_breaks
+from _oracles import (
+    binned,
+    compiled_with_and_without,
+    needs_cxx,
+    params_equal,
+    wandb_history,
+    wandb_row,
+    with_graph_breaks,
+)
 
 import ampviz
 
@@ -187,10 +195,5 @@ def test_a_compiled_module_given_to_fit_adds_no_graph_break_and_changes_nothing(
         return with_graph_breaks(lambda: fit(callbacks, "bf16-mixed", module=torch.compile(ForwardClassifier()),
                                              max_steps=3)[1])
 
-    plain, plain_breaks = compiled([])
-    callback = AmpvizCallback()
-    with pytest.warns(ampviz.AmpvizWarning, match="runs under torch.compile"):
-        recorded, breaks = compiled([callback])
-    assert breaks == plain_breaks == 0 and params_equal(plain, recorded)
-    run = callback.run
+    run = compiled_with_and_without(compiled, AmpvizCallback(), "runs under torch.compile")
     assert run.n_steps == 3 and set(run.tensor_kinds) == {"weight"} and "_orig_mod" not in "".join(run.tensor_names)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from _oracles import (
     binned,
+    compiled_with_and_without,
     needs_cxx,
     params_equal,
     read_tensorboard,
@@ -239,12 +240,7 @@ def test_torch_compile_true_adds_no_graph_break_and_changes_nothing(tmp_path):
                                                full_determinism=True)[0].model)
 
     with restored_determinism():
-        plain, plain_breaks = compiled([])
-        callback = AmpvizCallback()
-        with pytest.warns(ampviz.AmpvizWarning, match="torch_compile=True"):
-            recorded, breaks = compiled([callback])
-    assert breaks == plain_breaks == 0 and params_equal(plain, recorded)
-    run = callback.run
+        run = compiled_with_and_without(compiled, AmpvizCallback(), "torch_compile=True")
     assert run.n_steps == 3 and set(run.tensor_kinds) == {"weight"} and (run.counts[0].sum(axis=-1) > 0).all()
     with pytest.raises(ValueError, match="activations='classifier' with TrainingArguments"):
         train(tmp_path, [AmpvizCallback(activations="classifier")], torch_compile=True, max_steps=1)
