@@ -20,5 +20,6 @@ underflow           captured gradients and the loss scales that save them       
 format_ranges       one histogram against fp16 / bf16 / fp8 side by side           08
 clipping            clipping before or after unscale_; ClipOrderExplorer           09
 sampler             what DistributedSampler hands each rank; SamplerExplorer       10, 11
+exercises           predict-first checks for every lesson's exercises              01-13
 ==================  =============================================================  ==========
 """
