@@ -10,7 +10,9 @@ is printed in the open)::
     check(my_answer, 2049, explain="ten mantissa bits: 2048 = 2^11 is exact, 2049 needs twelve")
 
 Numbers compare with a relative tolerance (``rel``), strings without regard to case or surrounding
-spaces, lists and tuples element-wise, sets as sets. Used by every lesson's Exercises section (01-13).
+spaces, lists and tuples element-wise, sets as sets.
+
+Used by lessons 01 to 13 (every lesson's Exercises section).
 """
 
 from __future__ import annotations
