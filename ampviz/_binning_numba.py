@@ -301,10 +301,32 @@ def _balance(pieces: list, threads: int) -> list:
     return [g for g in groups if g] or [[]]
 
 
+COUNTERS = ("numba", "triton", "torch")
+
+
 def make_counter(device, capacity: int = 1 << 20):
-    """The fastest counter for ``device``: numba on the CPU when available, else the torch path."""
+    """The fastest counter for ``device``: numba on the CPU, the Triton kernel on a GPU, the torch path where
+    neither is available. ``AMPVIZ_COUNTER`` (numba, triton or torch) picks one instead: ``torch`` is the
+    fallback if a kernel misbehaves; ``triton`` on the CPU needs ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
+    import os
+
     from ._binning import Binner
     device = torch.device(device)
-    if device.type == "cpu" and available():
+    choice = os.environ.get("AMPVIZ_COUNTER", "").strip().lower()
+    if choice and choice not in COUNTERS:
+        raise ValueError(f"AMPVIZ_COUNTER: expected one of {', '.join(COUNTERS)} (or unset), got {choice!r}")
+    if choice == "numba" and (device.type != "cpu" or not available()):
+        raise ValueError(f"AMPVIZ_COUNTER=numba: counts CPU tensors with numba installed; this recording is on "
+                         f"{device.type}{'' if available() else ' and numba is not installed'}")
+    if choice in ("", "triton") and (device.type == "cuda" or choice == "triton"):
+        from . import _binning_triton as tri
+        if choice == "triton" and not tri.available():
+            raise ValueError("AMPVIZ_COUNTER=triton: triton is not installed")
+        if choice == "triton" and device.type == "cpu" and not tri.interpreted():
+            raise ValueError("AMPVIZ_COUNTER=triton on the CPU runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "before Python starts")
+        if tri.available():
+            return tri.TritonCounter(device)
+    if choice in ("", "numba") and device.type == "cpu" and available():
         return NumbaCounter()
     return Binner(device, capacity=capacity)

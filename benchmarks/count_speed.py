@@ -1,13 +1,18 @@
-"""How fast the CPU counting kernels count, alone and inside a training step.
+"""How fast the counting kernels count, alone and inside a training step.
 
-    python benchmarks/count_speed.py
+    python benchmarks/count_speed.py                       # the CPU kernels (numba)
+    python benchmarks/count_speed.py --device cuda         # the GPU kernel (Triton) against the torch path
 
+On the CPU:
 1. alone: ``NumbaCounter.add`` on 4.2 M fp32 and 2 M bf16 values already in cache (median of 30);
 2. in training: the capture benchmark's transformer (``capture_overhead.py``'s ``tfm``, bf16 autocast,
    AdamW) recorded with weights and activations; every count is timed where it runs (in the hooks) and
    divided by the values it counted.
-
 Both print nanoseconds per value; the second also the counted values and counting time per step.
+
+On a GPU: the weight gradients of one step of the capture benchmark's MLP (``--width``, fp16 autocast) counted
+by the Triton kernel and by the torch path (``index_add_``), each timed with CUDA events over 50 repeats:
+microseconds per step and GB/s read.
 """
 
 from __future__ import annotations
@@ -74,9 +79,51 @@ def in_training(steps: int = 100) -> None:
           f"{spent['s'] / spent['values'] * 1e9:.2f} ns/value")
 
 
+def on_gpu(width: int, repeats: int = 50) -> None:
+    from ampviz._binning import Binner
+    from ampviz._binning_triton import TritonCounter, available
+
+    v = C.Variant("base", "mlp", logdir="", device="cuda", amp="fp16", width=width)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = v.loss_fn(v.model, v.batch)
+    loss.backward()
+    grads = [p.grad for p in v.model.parameters()]
+    values = sum(g.numel() for g in grads)
+    counters = [("torch path (index_add_)", Binner("cuda", capacity=values))]
+    if available():
+        counters.insert(0, ("Triton kernel", TritonCounter("cuda")))
+    for label, counter in counters:
+        counter.target = torch.zeros(len(grads) * H.NBINS, dtype=torch.int64, device="cuda")
+        counter.add_many(grads, list(range(len(grads))))       # warm-up: compiles the kernel
+        counter.submit()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(repeats):
+            counter.add_many(grads, list(range(len(grads))))
+            counter.submit()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1e3 / repeats
+        read = sum(g.numel() * g.element_size() for g in grads)
+        print(f"{label}: {len(grads)} weight gradients, {values / 1e6:.1f} M values: {us:.1f} us per step, "
+              f"{read / us / 1e3:.0f} GB/s")
+
+
 if __name__ == "__main__":
-    if not B.available():
-        raise SystemExit("numba is not installed: pip install numba")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    alone()
-    in_training()
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--width", type=int, default=4096, help="the MLP's width on a GPU")
+    ap.add_argument("--steps", type=int, default=100, help="training steps timed on the CPU")
+    a = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.device}")
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device here")
+        on_gpu(a.width)
+    else:
+        if not B.available():
+            raise SystemExit("numba is not installed: pip install numba")
+        alone()
+        in_training(a.steps)

@@ -218,6 +218,7 @@ def test_recorder_options_are_checked_at_construction():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 AMP through the Trainer's GradScaler needs CUDA")
 def test_real_fp16_on_a_gpu(tmp_path):
     oracle, callback = Oracle(MODULES), AmpvizCallback()
     trainer, _ = train(tmp_path, [callback, oracle], use_cpu=False, fp16=True, gradient_accumulation_steps=2,
