@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,6 @@ import torch
 from conftest import frexp_columns
 
 import ampviz
-
 from ampviz._binning import NBINS, Binner
 from ampviz._binning_numba import NumbaCounter, make_counter
 from ampviz._warnings import AmpvizWarning
