@@ -16,7 +16,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from ._binning import NBINS
+from ._counting import NBINS
 from ._runfile import RunFileError, _show
 from ._warnings import AmpvizWarning
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._binning import NBINS
+from ._counting import NBINS
 from ._files import atomic_write
 
 SCHEMA_VERSION = 1

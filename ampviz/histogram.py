@@ -33,13 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._binning import NBINS, Binner
-from ._binning_numba import make_counter
+from ._counting import NBINS, make_counter
 from .formats import Format, get_format
 
 __all__ = [
     "NBINS", "ZERO", "BELOW", "ABOVE", "NAN", "K_MIN", "K_MAX", "column", "binade_exponents",
-    "lower_edges", "upper_edges", "histogram", "histograms", "Binner", "Fate", "fate", "fate_table", "cast_counts",
+    "lower_edges", "upper_edges", "histogram", "histograms", "Fate", "fate", "fate_table", "cast_counts",
     "max_magnitude", "shift", "bin_labels", "as_counts",
 ]
 

@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from . import __version__
 from ._args import check_int
-from ._binning_numba import make_counter
+from ._counting import make_counter
 from ._record_guard import SaveOnTerm, StepChecks, check_path, model_changes, rank_file
 from ._record_hooks import Capture
 from ._record_store import StepStore

@@ -224,8 +224,8 @@ def _figure_html(fig, div_id: str) -> str:
 
 def _run_section(run: Run, label: str, fmt, anchor: str) -> str:
     from .doctor import as_html as findings_html
-    from .gradient_trace import trace_from_run
     from .plots import rank_comparison_figure, scale_trace_figure
+    from .replay import trace_from_run
     parts = [f'<h2 id="{anchor}">{html.escape(label)}</h2>', findings_html(run.diagnose()),
              rows_as_html(summary_rows(run, fmt))]
     if run.n_steps:

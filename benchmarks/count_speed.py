@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ampviz import _binning_numba as B
 from ampviz import histogram as H
+from ampviz._counting import cpu_kernels as B
 
 sys.path.insert(0, str(Path(__file__).parent))
 import capture_overhead as C  # noqa: E402
@@ -80,8 +80,8 @@ def in_training(steps: int = 100) -> None:
 
 
 def on_gpu(width: int, repeats: int = 50) -> None:
-    from ampviz._binning import Binner
-    from ampviz._binning_triton import TritonCounter, available
+    from ampviz._counting import Binner
+    from ampviz._counting.gpu_kernel import TritonCounter, available
 
     v = C.Variant("base", "mlp", logdir="", device="cuda", amp="fp16", width=width)
     with torch.autocast("cuda", dtype=torch.float16):

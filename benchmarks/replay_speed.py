@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
+from ampviz.replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
 
 
 def main(argv=None) -> int:

@@ -30,8 +30,8 @@ import numpy as np
 
 from ampviz import histogram as H
 from ampviz.lessons.bits import DtypeExplorer
+from ampviz.replay import TorchPolicy, replay
 from ampviz.run import Run
-from ampviz.scaler import TorchPolicy, replay
 from ampviz.widgets import RunDashboard, ScaleExplorer, ScalerPlayground
 
 BUDGET_MS = 50.0

@@ -16,6 +16,7 @@ import ampviz
 from ampviz import histogram as H
 from ampviz.cli import main
 from ampviz.demo import DEMO_SETTINGS, DEMO_STEPS, train_demo
+from ampviz.replay import TorchPolicy, replay
 from ampviz.report import (
     format_scale,
     representative_steps,
@@ -23,7 +24,6 @@ from ampviz.report import (
     worst_without_scaling,
     write_report,
 )
-from ampviz.scaler import TorchPolicy, replay
 
 SHORT_DEMO = 150      # the demo's scale reaches 2**21 by step ~80 and starts backing off
 

@@ -17,14 +17,13 @@ from conftest import frexp_columns
 
 import ampviz
 from ampviz import histogram as H
-from ampviz._binning import NBINS, Binner
-from ampviz._binning_numba import make_counter
+from ampviz._counting import NBINS, Binner, make_counter
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = torch.device(os.environ.get("AMPVIZ_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
-triton_counter = pytest.importorskip("ampviz._binning_triton")
+triton_counter = pytest.importorskip("ampviz._counting.gpu_kernel")
 needs_triton = pytest.mark.skipif(not triton_counter.available() or (not ON_CUDA and not triton_counter.interpreted()),
                                   reason="needs triton (on the CPU: its interpreter, TRITON_INTERPRET=1)")
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -7,9 +7,11 @@ import pytest
 import torch
 from conftest import frexp_columns
 
-from ampviz import _binning, _binning_numba
+from ampviz import _counting
 from ampviz import formats as F
 from ampviz import histogram as H
+from ampviz._counting import cpu_kernels as _binning_numba
+from ampviz._counting import ops as _binning
 
 
 def oracle_counts(values: np.ndarray) -> np.ndarray:
@@ -59,7 +61,7 @@ def test_binner_many_tensors_small_buffer(rng, threads):
     tensors.append(tensors[0].to(torch.bfloat16))
     tensors.append(torch.from_numpy(wide_sample(rng, 3000)).clamp(-6e4, 6e4).half())
     counts = torch.zeros(len(tensors), H.NBINS, dtype=torch.int64)
-    b = H.Binner("cpu", capacity=4096, max_capacity=4096, threads=threads)
+    b = _counting.Binner("cpu", capacity=4096, max_capacity=4096, threads=threads)
     b.target = counts.view(-1)
     for i, t in enumerate(tensors):
         b.add(t, i)
@@ -73,7 +75,7 @@ def test_binner_grows_instead_of_counting_mid_step_and_groups_small_tensors(rng)
     small = [torch.from_numpy(wide_sample(rng, n)) for n in (7, 300, 1000)]
     big = torch.from_numpy(wide_sample(rng, 20000))
     counts = torch.zeros(4, H.NBINS, dtype=torch.int64)
-    b = H.Binner("cpu", capacity=4096, threads=2)
+    b = _counting.Binner("cpu", capacity=4096, threads=2)
     b.target = counts.view(-1)
     b.add(big, 3)
     assert b.capacity >= big.numel() and counts.sum() == 0          # grown, nothing counted yet
@@ -88,7 +90,7 @@ def test_parallel_count_equals_single_thread(rng):
     keys = torch.from_numpy(rng.integers(0, 5 * H.NBINS, 1 << 19)).to(torch.int32)
     one, many = (torch.zeros(5 * H.NBINS, dtype=torch.int64) for _ in range(2))
     for threads, target in ((1, one), (4, many)):
-        b = H.Binner("cpu", capacity=keys.numel(), threads=threads)
+        b = _counting.Binner("cpu", capacity=keys.numel(), threads=threads)
         b.target = target
         b._keys(keys.numel()).copy_(keys)
         b._fill = keys.numel()
@@ -223,7 +225,8 @@ def test_numba_counter_equals_torch_binner(rng, dtype):
         vals = vals.clamp(-6e4, 6e4)
     x = vals.to(dtype)
     a, b = (torch.zeros(2, H.NBINS, dtype=torch.int64) for _ in range(2))
-    for counter, target in ((_binning_numba.NumbaCounter(threads=2, min_share=1 << 12), a), (H.Binner("cpu"), b)):
+    numba = _binning_numba.NumbaCounter(threads=2, min_share=1 << 12)
+    for counter, target in ((numba, a), (_counting.Binner("cpu"), b)):
         counter.target = target.view(-1)
         counter.add(x, 1)
         counter.add(x[::3], 0)                  # a strided view too
@@ -249,13 +252,13 @@ def test_numba_counts_split_over_threads_equal_one_thread(rng):
 
 def test_make_counter_falls_back_to_torch_without_numba(monkeypatch):
     monkeypatch.setattr(_binning_numba, "njit", None)
-    assert isinstance(_binning_numba.make_counter("cpu"), H.Binner)
+    assert isinstance(_counting.make_counter("cpu"), _counting.Binner)
     np.testing.assert_array_equal(H.histogram(torch.tensor([0.0, 1.0, 3.0])).numpy()[[0, 127, 129]], [1, 1, 1])
 
 
 # ----------------------------------------------------------------------------- complex and fp64 (issue 12, item 13)
 def counter_paths():
-    paths = [lambda: H.Binner("cpu", capacity=4096)]
+    paths = [lambda: _counting.Binner("cpu", capacity=4096)]
     if _binning_numba.available():
         paths.append(lambda: _binning_numba.NumbaCounter(threads=2, min_share=2))
     return paths

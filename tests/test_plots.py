@@ -125,7 +125,7 @@ def test_histogram_figure_rejects_bad_input(kwargs, match):
 # ---------------------------------------------------------------------------- loss-scale trace
 def test_scale_trace_marks_skips_and_growths_at_their_steps():
     from ampviz.plots.scale_trace import TRACES
-    from ampviz.scaler import TorchPolicy, replay
+    from ampviz.replay import TorchPolicy, replay
     steps = np.arange(10)
     scale = np.exp2([16, 15, 15, 16, 16, 15, 15, 15, 16, 16])
     skipped = np.array([1, 0, 0, 0, 1, 0, 0, 0, 0, 0], bool)
@@ -153,7 +153,7 @@ def test_scale_trace_marks_skips_and_growths_at_their_steps():
 
 def test_scale_trace_shows_where_a_deepspeed_replay_stops():
     from ampviz.plots.scale_trace import TRACES
-    from ampviz.scaler import DeepSpeedPolicy, replay
+    from ampviz.replay import DeepSpeedPolicy, replay
     r = replay(DeepSpeedPolicy(init_scale=4.0, min_scale=1.0, hysteresis=1), [np.inf] * 8)
     assert r.crashed_at == 2
     fig = scale_trace_figure(np.arange(8), np.full(8, 4.0), replay=r)

@@ -134,7 +134,7 @@ def overflow_trace(n=300, seed=0):
 
 def test_playground_replays_the_policy_the_controls_describe():
     from ampviz.plots.scale_trace import TRACES
-    from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
+    from ampviz.replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
     trace = overflow_trace()
     w = ScalerPlayground(trace)
     assert w.replay.scale.tolist() == replay(TorchPolicy(), trace).scale.tolist()
@@ -177,7 +177,7 @@ def test_playground_over_a_run_draws_the_recorded_trace():
 
 
 def test_playground_starts_from_the_runs_gradscaler_and_reproduces_it():
-    from test_gradient_trace import record_fp16_run
+    from test_replay_trace import record_fp16_run
     run = record_fp16_run(steps=40)
     w = ScalerPlayground(run)
     sc = run.meta["scaler"]

@@ -16,7 +16,7 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
   (``Recorder(..., outputs=True)``) that overflow their dtype, or come within a factor 2 of it; a non-finite
   loss without recorded outputs;
 * ``init_scale_too_high`` (info), ``scale_collapse`` (error), ``frequent_skips`` (warning),
-  ``scale_unbounded`` (warning): GradScaler's trace, with replays of other scalers (``ampviz.scaler``);
+  ``scale_unbounded`` (warning): GradScaler's trace, with replays of other scalers (``ampviz.replay``);
 * ``ranks_disagree`` (error): DDP ranks whose scales or skips differ;
 * ``scheduler_on_skipped`` (warning): LR-scheduler steps taken on skipped steps (``Run.scheduler_steps``).
 

@@ -1,7 +1,7 @@
 """Loss-scale health: a too-high init_scale, a collapsing scale, skips more frequent than the growth
 interval allows, a scale growing without bound, ranks that disagree, and an LR scheduler that steps on
 skipped steps. Each finding quotes the steps and scales, and what replays of other scalers would have
-done over the recorded gradient trace (``ampviz.scaler.replay``: a counterfactual)."""
+done over the recorded gradient trace (``ampviz.replay.replay``: a counterfactual)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import math
 
 import numpy as np
 
-from ..gradient_trace import policy_from_run, trace_from_run
-from ..scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
+from ..replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_run, replay, trace_from_run
 from ._facts import Facts, finding, scale_text, steps_text
 
 COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse

@@ -4,7 +4,7 @@ Four targets, each judged per recorded tensor from its unscaled histograms (rank
 values are all finite):
 
 * fp16 with a dynamic scaler: GradScaler's defaults replayed over the run's gradient trace
-  (``ampviz.scaler.replay``), each step at the scale the replay chose;
+  (``ampviz.replay.replay``), each step at the scale the replay chose;
 * fp16 with the best static scale: the largest power of two at which no recorded step overflows;
 * fp8 e4m3fn and fp8 e5m2 with per-tensor amax scaling (``ampviz.tensor_scaling``).
 
@@ -18,8 +18,7 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import FP16
-from ..gradient_trace import trace_from_run
-from ..scaler import StaticPolicy, TorchPolicy, replay
+from ..replay import StaticPolicy, TorchPolicy, replay, trace_from_run
 from ..tensor_scaling import amax_log2_scales
 from ._facts import Facts, percent, scale_text
 

@@ -1,8 +1,7 @@
 """Loss-scale trace on a log2 axis: skipped steps and growth events marked, optionally a replay.
 
     from ampviz.plots import scale_trace_figure
-    from ampviz.gradient_trace import trace_from_run, policy_from_run
-    from ampviz.scaler import TorchPolicy, replay
+    from ampviz.replay import TorchPolicy, replay, trace_from_run, policy_from_run
     trace = trace_from_run(run)
     what_if = replay(TorchPolicy(init_scale=2.0**10), trace)
     scale_trace_figure(run.steps, run.loss_scale[0], run.skipped[0], run.grown[0],
@@ -55,7 +54,7 @@ def scale_trace_figure(steps, loss_scale, skipped=None, grown=None, *, replay=No
     steps, loss_scale : per-step arrays (the scale each step used); ``loss_scale`` None draws
         no recorded line (a replay of a plain trace).
     skipped, grown : per-step bools (the step was skipped / the scale grew after it).
-    replay : an ``ampviz.scaler.Replay`` over the same steps, drawn dashed with its own skips.
+    replay : an ``ampviz.replay.Replay`` over the same steps, drawn dashed with its own skips.
     trace : per-step largest unscaled |gradient|; draws the no-overflow ceiling for ``format``.
     format : format whose overflow threshold sets the ceiling.
 
@@ -163,7 +162,7 @@ def set_recorded(fig, steps, loss_scale, skipped, grown) -> None:
 
 
 def set_replay(fig, replay, steps=None) -> None:
-    """Draw ``replay`` (an ``ampviz.scaler.Replay``) into a scale-trace figure (in place).
+    """Draw ``replay`` (an ``ampviz.replay.Replay``) into a scale-trace figure (in place).
 
     ``steps`` defaults to the recorded line's steps. A DeepSpeed replay that ends early
     ("loss scale already at minimum") is drawn up to the step where it stopped.

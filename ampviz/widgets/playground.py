@@ -8,7 +8,7 @@
     w.init_slider.value = 24                   # init_scale 2**24
     w.replay.n_skipped, w.recorded_skipped     # replayed vs real skipped steps
 
-The trace is each step's largest unscaled gradient (:func:`ampviz.gradient_trace.trace_from_run`),
+The trace is each step's largest unscaled gradient (:func:`ampviz.replay.trace_from_run`),
 computed once; every control change replays the policy over it (a few milliseconds for 2,000
 steps). A replay is a counterfactual: a real run with other skips would have computed other
 gradients afterwards, so trust the first divergence more than the tail.
@@ -20,10 +20,9 @@ import ipywidgets as W
 import numpy as np
 
 from ..formats import get_format
-from ..gradient_trace import policy_from_run, trace_from_run
 from ..plots.scale_trace import scale_trace_figure, set_replay
+from ..replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_run, replay, trace_from_run
 from ..run import Run
-from ..scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
 from .parts import figure_widget, pow2_label, table_html
 
 __all__ = ["ScalerPlayground", "POLICY_CONTROLS"]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, TorchPolicy, replay
+from ampviz.replay import DeepSpeedPolicy, MegatronPolicy, TorchPolicy, replay
 
 
 def _sticky_flags(rng, n, rate, stick):

@@ -1,4 +1,4 @@
-"""The binning engine behind ampviz.histogram: bin keys computed on the device, one count per batch.
+"""Counting with torch ops (any device): bin keys computed on the device, one count per batch.
 
 A key is the histogram column of one value: ``((bits(|x|) - 1) >> 23) + 1`` on the fp32 bit
 pattern gives 0 for zeros, 1 for 0 < |x| <= 2**-126, k + 128 for 2**k < |x| <= 2**(k+1),

@@ -1,11 +1,11 @@
 """Counting on a GPU with a privatised histogram: a Triton kernel that reads each value once.
 
-The torch path (``ampviz._binning.Binner``) builds a key per value and counts them with an ``index_add_``
+The torch path (:class:`~ampviz._counting.ops.Binner`) builds a key per value and counts them with an ``index_add_``
 into global memory: one int64 atomic per value, and a gradient's values crowd into about ten binades, so
 millions of atomics queue on the same few addresses. Here each program walks its share of the tensor
 (a grid-stride loop), keeps its own counts (``tl.histogram`` per block, summed in registers), and merges
 them into the row once: ``NBINS`` atomics per program instead of one per value. The column of a value is
-the formula of ``ampviz._binning`` (exact for fp32, bf16, fp16 and fp8; fp64 and other dtypes go to the
+the formula of :mod:`~ampviz._counting.ops` (exact for fp32, bf16, fp16 and fp8; fp64 and other dtypes go to the
 torch path)::
 
     counter = TritonCounter("cuda")
@@ -24,8 +24,8 @@ import warnings
 
 import torch
 
-from ._binning import NBINS, Binner, dense_flat, prepare
-from ._warnings import AmpvizWarning
+from .._warnings import AmpvizWarning
+from .ops import NBINS, Binner, dense_flat, prepare
 
 try:
     import triton

@@ -10,11 +10,11 @@ import torch
 from conftest import frexp_columns
 
 import ampviz
-from ampviz._binning import NBINS, Binner
-from ampviz._binning_numba import NumbaCounter, make_counter
+from ampviz._counting import NBINS, Binner, make_counter
+from ampviz._counting.cpu_kernels import NumbaCounter
 from ampviz._warnings import AmpvizWarning
 
-triton_counter = pytest.importorskip("ampviz._binning_triton")
+triton_counter = pytest.importorskip("ampviz._counting.gpu_kernel")
 pytestmark = pytest.mark.skipif(not triton_counter.available(), reason="triton is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 import ampviz
 from ampviz import histogram as H
-from ampviz.gradient_trace import TRACE_RULES, policy_from_run, trace_from_run
+from ampviz.replay import TRACE_RULES, TorchPolicy, policy_from_run, replay, trace_from_run
 from ampviz.run import Run
-from ampviz.scaler import TorchPolicy, replay
 
 
 def record_fp16_run(steps=60, every=1, init_scale=2.0 ** 24, growth_interval=3, seed=0):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ampviz.scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_scaler, replay
+from ampviz.replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_scaler, replay
 
 
 def real_gradscaler_trace(flags, **kw):
@@ -60,7 +60,7 @@ def test_magnitude_trace_overflows_at_the_fp16_threshold():
 
 
 def test_deepspeed_hysteresis_by_hand():
-    # checked against DeepSpeed 0.19.8's DynamicLossScaler (tests/test_scaler_peers.py drives the real class)
+    # checked against DeepSpeed 0.19.8's DynamicLossScaler (tests/test_replay_peers.py drives the real class)
     p = DeepSpeedPolicy(init_scale=1024.0, scale_factor=2.0, scale_window=3, min_scale=1.0, hysteresis=2)
     flags = [True, True, False, False, False, False, True, False]
     r = replay(p, flags)
@@ -115,3 +115,11 @@ def test_bad_inputs():
         replay(TorchPolicy(), [[1.0]])
     with pytest.raises(TypeError, match="trace: expected bools or numbers"):
         replay(TorchPolicy(), ["a"])
+
+
+def test_the_old_module_names_still_import():
+    import ampviz.gradient_trace
+    import ampviz.replay
+    import ampviz.scaler
+    assert ampviz.scaler.TorchPolicy is ampviz.replay.TorchPolicy and ampviz.scaler.replay is ampviz.replay.replay
+    assert ampviz.gradient_trace.trace_from_run is ampviz.replay.trace_from_run

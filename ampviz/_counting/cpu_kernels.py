@@ -1,10 +1,10 @@
 """Counting on the CPU in one pass: numba kernels that read each value once and bump its column.
 
-The torch path (``ampviz._binning.Binner``) needs four elementwise passes to build keys plus a
+The torch path (:class:`~ampviz._counting.ops.Binner`) needs four elementwise passes to build keys plus a
 ``bincount`` that reads them three more times; on a CPU that is memory-bound, and that is the
 whole cost of recording. These kernels read the bits of each value once and count it in one of
 eight private sub-histograms (so repeated columns do not serialise on one counter). The column of
-a value is the formula of ``ampviz._binning`` (fp64 gets its own, exact one)::
+a value is the formula of :mod:`~ampviz._counting.ops` (fp64 gets its own, exact one)::
 
     counter = NumbaCounter()
     counter.target = counts.view(-1)        # int64, rows * NBINS, on the CPU
@@ -28,14 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ._binning import NBINS, dense_flat, prepare
+from .ops import NBINS, dense_flat, prepare
 
 try:
     from numba import njit
 except ImportError:                                   # pragma: no cover - depends on the platform
     njit = None
 
-__all__ = ["available", "NumbaCounter", "make_counter"]
+__all__ = ["available", "NumbaCounter"]
 
 # values each thread must get before a count is split: measured on a 2-core CPU (torch 2.13), splitting a
 # transformer's 4.2M weight-gradient values over two threads was slower than one (torch's idle OpenMP threads
@@ -62,7 +62,7 @@ if njit is not None:
                 loc[j, b] = 0
 
     @njit(cache=True, nogil=True)
-    def _count_fp32(bits, lut, out):                  # ((bits(|x|) - 1) >> 23) + 1, see ampviz._binning
+    def _count_fp32(bits, lut, out):                  # ((bits(|x|) - 1) >> 23) + 1, see ampviz._counting.ops
         loc = np.zeros((_LANES, NBINS), np.uint32)
         n, i = bits.size, 0
         while i + _LANES <= n:                        # eight values in flight, eight private counters
@@ -299,34 +299,3 @@ def _balance(pieces: list, threads: int) -> list:
         groups[min(threads - 1, pos // share)].append(p)
         pos += p[0].size
     return [g for g in groups if g] or [[]]
-
-
-COUNTERS = ("numba", "triton", "torch")
-
-
-def make_counter(device, capacity: int = 1 << 20):
-    """The fastest counter for ``device``: numba on the CPU, the Triton kernel on a GPU, the torch path where
-    neither is available. ``AMPVIZ_COUNTER`` (numba, triton or torch) picks one instead: ``torch`` is the
-    fallback if a kernel misbehaves; ``triton`` on the CPU needs ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
-    import os
-
-    from ._binning import Binner
-    device = torch.device(device)
-    choice = os.environ.get("AMPVIZ_COUNTER", "").strip().lower()
-    if choice and choice not in COUNTERS:
-        raise ValueError(f"AMPVIZ_COUNTER: expected one of {', '.join(COUNTERS)} (or unset), got {choice!r}")
-    if choice == "numba" and (device.type != "cpu" or not available()):
-        raise ValueError(f"AMPVIZ_COUNTER=numba: counts CPU tensors with numba installed; this recording is on "
-                         f"{device.type}{'' if available() else ' and numba is not installed'}")
-    if choice in ("", "triton") and (device.type == "cuda" or choice == "triton"):
-        from . import _binning_triton as tri
-        if choice == "triton" and not tri.available():
-            raise ValueError("AMPVIZ_COUNTER=triton: triton is not installed")
-        if choice == "triton" and device.type == "cpu" and not tri.interpreted():
-            raise ValueError("AMPVIZ_COUNTER=triton on the CPU runs Triton's interpreter: set TRITON_INTERPRET=1 "
-                             "before Python starts")
-        if tri.available():
-            return tri.TritonCounter(device)
-    if choice in ("", "numba") and device.type == "cpu" and available():
-        return NumbaCounter()
-    return Binner(device, capacity=capacity)

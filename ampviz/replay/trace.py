@@ -1,0 +1,118 @@
+"""Per-step gradient maxima of a recorded Run: the trace that :func:`ampviz.replay.replay` replays.
+
+    import ampviz
+    from ampviz.replay import TorchPolicy, replay, trace_from_run, policy_from_run
+    trace = trace_from_run(run, "fp16")              # (steps,) largest unscaled |gradient| per step
+    same = replay(policy_from_run(run), trace)       # reproduces the recorded scale trace
+    what_if = replay(TorchPolicy(init_scale=2.0**10, growth_interval=50), trace)
+
+A replay is a counterfactual: in a real run a skipped step changes every later gradient, and a
+different scale changes which activation gradients flush; the trace only holds what this run
+computed. It answers "which of these gradients would have overflowed under that policy", not
+"what would training have done".
+
+How each step's magnitude is obtained (``TRACE_RULES``):
+
+* a step with histograms: the lower edge ``2**k`` of the highest non-empty binade
+  ``(2**k, 2**(k+1)]`` over the chosen tensors, unscaled. With power-of-two scales this decides
+  overflow exactly as :func:`ampviz.histogram.fate` does (the top sliver of one binade,
+  [65520, 65536] for fp16, counts as no overflow);
+* the recorded gradients hold inf/nan, or the run skipped the step: the real scaled gradients
+  overflowed, so the magnitude was at least ``format.overflow_threshold / recorded loss_scale``;
+  that bound (or the finite maximum, if larger) is used;
+* the loss is not finite: the forward pass overflowed and no loss scale helps: ``inf``;
+* a step without histograms (``every > 1``): the nearest earlier recorded step's finite
+  maximum (the first recorded step's, before it), kept below the recorded overflow bound because
+  the run did not overflow there; skipped steps get the overflow bound as above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import histogram as H
+from ..formats import get_format
+from ..run import Run
+from .policies import TorchPolicy
+
+__all__ = ["trace_from_run", "policy_from_run", "TRACE_RULES"]
+
+TRACE_RULES = ("recorded", "overflow bound", "non-finite loss", "filled")
+
+
+def trace_from_run(run: Run, format="fp16", rank=None, tensors=None, *, return_rules: bool = False):
+    """Largest unscaled gradient magnitude of every step of ``run`` (see the module docstring).
+
+    Parameters
+    ----------
+    run : an ``ampviz.Run``.
+    format : the format the scaled gradients were computed in (its overflow threshold is used
+        for steps that overflowed).
+    rank : which rank (default: the first).
+    tensors : names or indices of the tensors to take the maximum over (default: every gradient row, i.e. all
+        but forward outputs).
+    return_rules : also return, per step, the index into ``TRACE_RULES`` of the rule used.
+
+    Returns
+    -------
+    (steps,) float array (and the (steps,) int array of rules when ``return_rules``).
+    """
+    if not isinstance(run, Run):
+        raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
+    fmt = get_format(format)
+    r = run.rank_index(run.ranks[0] if rank is None else rank)
+    if tensors is None:        # every gradient row; forward outputs ("output" rows) are not gradients
+        idx = [t for t, kind in enumerate(run.tensor_kinds) if kind != "output"]
+    else:
+        idx = [run.tensor_index(t) for t in tensors]
+    if not idx:
+        raise ValueError("tensors: the selection is empty")
+    scale, skipped, loss = run.loss_scale[r], run.skipped[r].astype(bool), run.loss[r]
+    bound = fmt.overflow_threshold / scale                           # (N,) overflow at the recorded scale
+    finite_max, nonfinite = _hist_maxima(run, r, idx)                # (H,) each
+    pos = np.searchsorted(run.steps, run.hist_steps)                 # step position of each hist row
+    has_hist = np.zeros(run.n_steps, dtype=bool)
+    has_hist[pos] = True
+    # forward-fill each step from the nearest earlier histogram row (the first row before it)
+    row = np.clip(np.searchsorted(pos, np.arange(run.n_steps), side="right") - 1, 0, None)
+    mag = finite_max[row] if finite_max.size else np.zeros(run.n_steps)
+    rules = np.where(has_hist, 0, 3)
+    filled_ok = ~has_hist & ~skipped
+    mag = np.where(filled_ok, np.minimum(mag, np.nextafter(bound, 0)), mag)
+    overflowed = skipped.copy()
+    overflowed[pos] |= nonfinite
+    mag = np.where(overflowed, np.maximum(np.where(has_hist, mag, 0.0), bound), mag)
+    rules = np.where(overflowed, 1, rules)
+    # inf loss: the forward overflowed. nan counts too, unless no step has a loss at all
+    # (Recorder.step() without a loss stores nan for "not given")
+    bad_loss = np.isinf(loss) | (np.isnan(loss) & np.isfinite(loss).any())
+    mag, rules = np.where(bad_loss, np.inf, mag), np.where(bad_loss, 2, rules)
+    return (mag, rules) if return_rules else mag
+
+
+def _hist_maxima(run: Run, r: int, idx: list):
+    """Per histogram row: lower edge of the highest non-empty finite binade, and 'holds inf/nan'."""
+    lower = H.lower_edges()
+    finite_max = np.zeros(run.hist_steps.size)
+    nonfinite = np.zeros(run.hist_steps.size, dtype=bool)
+    for t in idx:                        # one tensor at a time: never a copy of the whole counts array
+        stored = run.counts[r, :, t]                                  # (H, NBINS), as recorded
+        nonfinite |= (stored[:, H.ABOVE] > 0) | (stored[:, H.NAN] > 0)
+        c = run.tensor_counts(t, "unscaled", r)
+        nonempty = c[:, H.ZERO + 1:H.ABOVE] > 0                       # below + binades
+        top = np.where(nonempty.any(axis=1), H.ABOVE - 1 - np.argmax(nonempty[:, ::-1], axis=1), -1)
+        finite_max = np.maximum(finite_max, np.where(top >= 0, lower[np.maximum(top, 0)], 0.0))
+    return finite_max, nonfinite
+
+
+def policy_from_run(run: Run) -> TorchPolicy:
+    """The GradScaler settings a run was recorded with, as a TorchPolicy (for replays).
+
+    Raises ValueError for runs recorded without a GradScaler.
+    """
+    sc = run.meta.get("scaler")
+    if not sc:
+        raise ValueError("run: recorded without a GradScaler (meta['scaler'] is empty); "
+                         "choose a policy, e.g. ampviz.replay.TorchPolicy()")
+    return TorchPolicy(init_scale=float(sc["init_scale"]), growth_factor=float(sc["growth_factor"]),
+                       backoff_factor=float(sc["backoff_factor"]), growth_interval=int(sc["growth_interval"]))
