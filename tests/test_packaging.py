@@ -3,6 +3,8 @@ test command, committed notebooks carry no outputs."""
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,9 @@ with ampviz.Recorder(model, opt, path="run.npz") as rec:
         loss = model(torch.randn(4, 8)).pow(2).mean()
         loss.backward(); opt.step(); opt.zero_grad(); rec.step(loss)
 assert ampviz.Run.load("run.npz").n_steps == 3
+import importlib.metadata, pathlib
+assert importlib.metadata.version("ampviz") == ampviz.__version__          # one source for the version
+assert (pathlib.Path(ampviz.__file__).parent / "py.typed").is_file()       # type information ships
 '''
     subprocess.run([py, "-c", script], cwd=tmp_path, check=True, timeout=300)
     info = subprocess.run([str(venv / "bin" / "ampviz"), "info", "run.npz"], cwd=tmp_path, capture_output=True,
@@ -138,3 +143,11 @@ assert ampviz.Run.load("run.npz").n_steps == 3
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 1 and report.stderr.strip() == (
         'ampviz: error: ampviz report needs plotly, which is not installed: pip install "ampviz[viz]"')
+
+
+def test_a_core_test_file_runs_without_the_notebook_plugin():
+    # nbmake is an extra of [test]; a contributor with only pytest can still run one file
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:nbmake", "-p", "no:cacheprovider", "-q",
+                          "--collect-only", "tests/test_formats.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "collected" in out.stdout, out.stdout[-1500:] + out.stderr[-1500:]
