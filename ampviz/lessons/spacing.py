@@ -9,7 +9,7 @@ evenly spaced), and stops at the format's largest finite value::
     fig = spacing_figure(["fp32", "bf16", "fp16"], marks=[("fp16", 2048.0), ("fp16", 1.0)])
     fig.show()
 
-Used by lessons 01 (tensor dtypes) and 08 (bf16 and fp8).
+Used by lessons 01 (tensor dtypes) and 08 (bf16 and fp8); 02 and 02b take their colours from FORMAT_COLORS.
 """
 
 from __future__ import annotations
