@@ -60,7 +60,9 @@ def test_no_core_file_imports_the_classroom():
 
 
 def test_the_classroom_is_one_package_of_topic_modules_that_name_their_lessons():
-    lesson_numbers = {p.name[:2] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")}
+    # a lesson is named by its number ("02", or "02b" for a second part), an appendix by its file's stem
+    lesson_numbers = {p.stem.split("_")[0] for p in (ROOT / "lessons").glob("[0-9][0-9]*_*.ipynb")}
+    lesson_numbers |= {p.stem for p in (ROOT / "lessons").glob("appendix_*.ipynb")}
     for path in sorted((PACKAGE / "lessons").glob("*.py")):
         if path.name == "__init__.py":
             continue

@@ -18,15 +18,17 @@ wire do not halve unless a communication hook compresses the buckets (for exampl
     >>> plain.sent_dtypes, packed.sent_dtypes, packed.sent_bytes * 2 == plain.sent_bytes
     (['float32'], ['float16'], True)
 
-A hook changes what a ``GradScaler`` sees, too: ``fp16_compress_hook`` casts each bucket to fp16
-*before* dividing by the world size, so scaled gradients that fp32 (or bf16) holds but fp16 does not
-overflow in the cast, and the scaler skips the step. :func:`ddp_scaled_step` shows it.
+DDP averages: its reducer and ``allreduce_hook`` divide each bucket by the world size *before* the
+all-reduce (torch's ``default_hooks._allreduce_fut``: "Apply the division first to avoid overflow").
+``fp16_compress_hook`` casts each bucket to fp16 first and divides afterwards, so under a
+``GradScaler`` a scaled gradient that fp32 (or bf16) holds but fp16 does not overflows in the cast,
+and the scaler skips the step; :func:`ddp_scaled_steps` shows it, and how the scaler backs off.
 
 When no process group exists, a one-process group (gloo on CPU, nccl on CUDA) is created on a
 temporary file store and destroyed afterwards; inside an existing group (e.g. under torchrun)
 that group is used and left alone.
 
-Used by lessons 02 (why mixed precision).
+Used by lessons 02b (what DDP sends, and what 16 bits cost) and appendix_compression_hooks.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllReduceLog", "counting_hook", "ddp_allreduce_bytes", "ddp_scaled_step", "one_process_group"]
+__all__ = ["AllReduceLog", "DDPBytes", "counting_hook", "ddp_allreduce_bytes", "ddp_scaled_steps", "one_process_group"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -119,6 +121,9 @@ class DDPBytes:
     bucket_bytes: int
     sent_bytes: int
     n_buckets: int
+    bucket_sizes: list = field(default_factory=list)   # bytes of each bucket, in the order DDP reduced them
+    bucket_cap_bytes: int = 0                           # the DDP instance's ``bucket_bytes_cap``
+    grads: list = field(default_factory=list)          # each parameter's gradient after the all-reduce
 
 
 def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,
@@ -134,7 +139,7 @@ def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: t
     model : the module (deep-copied, moved to ``inputs.device``; the caller's model is untouched).
     inputs, targets, loss_fn : one batch and ``loss_fn(outputs, targets) -> scalar``.
     hook : a DDP communication hook; None means ``allreduce_hook``, the Python spelling of
-        DDP's default (all-reduce each bucket as it is, then average).
+        DDP's default (divide each bucket by the world size, then all-reduce it).
     autocast_dtype : None for fp32, or the dtype for ``torch.amp.autocast`` around the forward.
     bucket_cap_mb : DDP's bucket size limit in MiB (None: its default, 25 MiB after a 1 MiB first bucket).
     """
@@ -160,20 +165,24 @@ def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: t
                                     enabled=autocast_dtype is not None):
                 loss = loss_fn(ddp(inputs), targets)
             loss.backward()
-        grad_dtypes = sorted({_dtype_name(p.grad.dtype) for p in local.parameters() if p.grad is not None})
+        grads = [p.grad.detach().clone() for p in local.parameters() if p.grad is not None]
+        cap = ddp.bucket_bytes_cap
         del ddp   # release DDP's reducer before the group goes away
-    return DDPBytes(grad_dtypes, sorted(set(log.bucket_dtypes)), sorted(set(log.sent_dtypes)),
-                    sum(log.bucket_bytes), sum(log.sent_bytes), len(log.bucket_bytes))
+    return DDPBytes(sorted({_dtype_name(g.dtype) for g in grads}), sorted(set(log.bucket_dtypes)),
+                    sorted(set(log.sent_dtypes)), sum(log.bucket_bytes), sum(log.sent_bytes), len(log.bucket_bytes),
+                    list(log.bucket_bytes), cap, grads)
 
 
-def ddp_scaled_step(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,
-                    hook=None, autocast_dtype: torch.dtype | None = torch.bfloat16,
-                    init_scale: float = 2.0 ** 16) -> dict:
-    """One DDP step of a copy of ``model`` through a ``GradScaler`` and a communication hook.
+def ddp_scaled_steps(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,
+                     hook=None, autocast_dtype: torch.dtype | None = torch.bfloat16, init_scale: float = 2.0 ** 16,
+                     steps: int = 1, lr: float = 0.1) -> list[dict]:
+    """``steps`` DDP training steps of a copy of ``model`` through a ``GradScaler`` and a communication hook.
 
-    Returns the largest scaled gradient the hook was handed (``bucket_amax``), the dtypes it sent,
-    whether the scaler found inf/nan in the all-reduced gradients and skipped the step, and whether
-    the weights changed. ``hook`` None is ``allreduce_hook`` (DDP's default, in Python).
+    Every step uses the same batch, SGD at ``lr`` and the scaler's default growth and backoff. One dict
+    per step: ``scale`` (the loss scale the step ran with), ``bucket_amax`` (the largest scaled gradient
+    handed to the hook), ``sent_dtypes``, ``skipped`` (the scaler found inf/nan in the all-reduced
+    gradients and skipped ``optimizer.step``: its scale dropped in ``update()``) and ``weights_changed``.
+    ``hook`` None is ``allreduce_hook`` (DDP's default, in Python).
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -184,23 +193,33 @@ def ddp_scaled_step(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
         raise ValueError(f"autocast_dtype: expected None, torch.float16 or torch.bfloat16, got {autocast_dtype!r}")
     if not init_scale > 0:
         raise ValueError(f"init_scale: expected a positive number, got {init_scale!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected a positive integer, got {steps!r}")
     device = inputs.device
-    log = AllReduceLog()
+    records = []
     with one_process_group(device.type):
         local = copy.deepcopy(model).to(device)
         ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None)
+        log = AllReduceLog()
         ddp.register_comm_hook(None, counting_hook(hook or allreduce_hook, log))
-        opt = torch.optim.SGD(local.parameters(), lr=0.1)
+        opt = torch.optim.SGD(local.parameters(), lr=lr)
         scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
-        before = [p.detach().clone() for p in local.parameters()]
-        with torch.amp.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
-                                enabled=autocast_dtype is not None):
-            loss = loss_fn(ddp(inputs), targets)
-        scaler.scale(loss).backward()                   # the hook runs here, on the scaled gradients
-        scaler.step(opt)
-        scaler.update()
-        skipped = scaler.get_scale() < init_scale       # the only sign of a skip (a host sync)
-        changed = any(not torch.equal(b, p.detach()) for b, p in zip(before, local.parameters()))
+        for _ in range(steps):
+            log.bucket_amax.clear()
+            log.sent_dtypes.clear()
+            scale = scaler.get_scale()                      # a host sync, once per step
+            before = [p.detach().clone() for p in local.parameters()]
+            opt.zero_grad(set_to_none=True)
+            with torch.amp.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
+                                    enabled=autocast_dtype is not None):
+                loss = loss_fn(ddp(inputs), targets)
+            scaler.scale(loss).backward()                   # the hook runs here, on the scaled gradients
+            scaler.step(opt)
+            scaler.update()
+            records.append({"scale": scale, "bucket_amax": max(log.bucket_amax),
+                            "sent_dtypes": sorted(set(log.sent_dtypes)),
+                            "skipped": scaler.get_scale() < scale,     # the only sign of a skip
+                            "weights_changed": any(not torch.equal(b, p.detach())
+                                                   for b, p in zip(before, local.parameters()))})
         del ddp
-    return {"bucket_amax": max(log.bucket_amax), "sent_dtypes": sorted(set(log.sent_dtypes)),
-            "skipped": skipped, "weights_changed": changed}
+    return records

@@ -9,7 +9,7 @@ evenly spaced), and stops at the format's largest finite value::
     fig = spacing_figure(["fp32", "bf16", "fp16"], marks=[("fp16", 2048.0), ("fp16", 1.0)])
     fig.show()
 
-Used by lessons 01 (tensor dtypes) and 08 (bf16 and fp8).
+Used by lessons 01 (tensor dtypes) and 08 (bf16 and fp8); 02 and 02b take their colours from FORMAT_COLORS.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ FORMAT_COLORS = {"fp32": OKABE_ITO["blue"], "tf32": OKABE_ITO["sky_blue"], "bf16
                  "fp16": OKABE_ITO["vermillion"], "fp8_e4m3fn": OKABE_ITO["reddish_purple"],
                  "fp8_e5m2": OKABE_ITO["orange"]}
 
-_OFFSETS = ((-70, -45), (70, 45), (-110, -15), (80, 80))   # annotation arrows, cycled so labels do not collide
+_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star")   # one per mark, named in the legend
 
 
 def _color(f) -> str:
@@ -70,7 +70,7 @@ def spacing_figure(formats=("fp32", "bf16", "fp16"), lo: int = -26, hi: int = 18
     ----------
     formats : format names, dtypes or Formats.
     lo, hi : log2 range of |x| shown.
-    marks : ``(format, value)`` pairs drawn as points labelled with their spacing.
+    marks : ``(format, value)`` pairs drawn as points, each named in the legend with its spacing.
     title : figure title (a default says what is shown).
     """
     fig = go.Figure()
@@ -91,21 +91,23 @@ def spacing_figure(formats=("fp32", "bf16", "fp16"), lo: int = -26, hi: int = 18
         ulp = f.ulp(value)
         if not math.isfinite(ulp) or value == 0:
             raise ValueError(f"marks: value {value!r} has no finite spacing in {f.name}")
-        lx, ly = math.log2(abs(value)), math.log2(ulp)
-        fig.add_scatter(x=[lx], y=[ly], mode="markers", showlegend=False,
-                        marker=dict(size=10, color=_color(f), line=dict(color="white", width=1.5)),
+        # labelled in the legend, not on the plot, where a label would hide a staircase
+        fig.add_scatter(x=[math.log2(abs(value))], y=[math.log2(ulp)], mode="markers",
+                        name=f"{f.name}: ulp({_short(value)}) = {_short(ulp)}",
+                        marker=dict(size=11, color=_color(f), symbol=_SYMBOLS[i % len(_SYMBOLS)],
+                                    line=dict(color="black", width=1)),
                         hovertemplate=f"{f.name}: x = {value:g}, ulp = {ulp:g}<extra></extra>")
-        fig.add_annotation(x=lx, y=ly, text=f"{f.name}: ulp({_short(value)}) = {_short(ulp)}",
-                           ax=_OFFSETS[i % len(_OFFSETS)][0], ay=_OFFSETS[i % len(_OFFSETS)][1],
-                           font=dict(size=12, color=_color(f)), arrowcolor=_color(f), bgcolor="rgba(255,255,255,0.75)")
     xt, xl = log2_ticks(lo, hi, max_ticks=12)
     ylo, yhi = (math.floor(min(y_all)), math.ceil(max(y_all))) if y_all else (lo, hi)
-    yt, yl = log2_ticks(ylo, yhi, max_ticks=10)
+    yt, yl = log2_ticks(ylo, yhi, max_ticks=8, decimals=False)   # 2^k only: decimals crowd a tall axis
     fig.update_layout(**base_layout(title or "Spacing between neighbours (ulp) grows with |x|",
                                     "log2 axes; subnormals are evenly spaced, so the staircase flattens at the left",
-                                    height=460, showlegend=True, legend=dict(x=0.01, y=0.99),
+                                    height=460, showlegend=True,
+                                    # bottom right: below the lowest staircase (the finest format) nothing is drawn
+                                    legend=dict(x=0.99, xanchor="right", y=0.02, yanchor="bottom",
+                                                bgcolor="rgba(255,255,255,0.85)"),
                                     inline_subtitle=True))
     fig.update_xaxes(title="|x|", tickvals=xt, ticktext=xl, range=[lo - 0.5, hi + 0.5])
-    fig.update_yaxes(title="ulp(x)", tickvals=yt, ticktext=yl,
+    fig.update_yaxes(title="ulp(x): gap to the next number up", tickvals=yt, ticktext=yl,
                      range=[ylo - 1, yhi + 1])
     return fig

@@ -16,10 +16,12 @@ row-major matrices. ``matmul_throughput(..., transpose_b=True)`` times that layo
 :func:`cast_seconds` times the cast autocast adds, so a lesson can tell the two effects apart.
 
 On GPUs, 16-bit matrix multiplies run on Tensor Cores (fp16 since Volta, bf16 since Ampere). On
-CPUs, bf16 is fast only with AVX512-BF16 or AMX instructions and fp16 only with AMX-FP16 or
-AVX512-FP16; :func:`cpu_features` reports which of these flags this CPU has.
+CPUs, bf16 can be fast only with AVX512-BF16 or AMX-BF16 instructions and fp16 only with AMX-FP16 or
+AVX512-FP16, and only where the kernel for the operation, size and layout uses them: the
+instructions are necessary, not sufficient. :func:`cpu_features` reports which of these flags this
+CPU has; the timings say whether they were used.
 
-Used by lessons 02 (why mixed precision).
+Used by lessons 02 (why mixed precision) and appendix_matmul_layouts.
 """
 
 from __future__ import annotations

@@ -27,13 +27,25 @@ def test_fp16_staircase_starts_at_the_smallest_subnormal_flattens_and_stops_at_m
     assert list(normal) == [k - 10 for k in range(-14, 16)]   # ten mantissa bits: ulp = 2**(k-10)
 
 
-def test_figure_has_a_line_per_format_and_labelled_marks():
-    fig = spacing_figure(["fp32", "fp16"], lo=-26, hi=18, marks=[("fp16", 2048.0)])
+def test_figure_has_a_line_per_format_and_marks_named_in_the_legend():
+    fig = spacing_figure(["fp32", "fp16"], lo=-26, hi=18, marks=[("fp16", 2048.0), ("fp16", 2.0 ** -20)])
     lines = [t for t in fig.data if t.mode == "lines"]
     assert [t.name for t in lines] == ["fp32", "fp16"]
-    [mark] = [t for t in fig.data if t.mode == "markers" and t.marker.size == 10]
-    assert (mark.x[0], mark.y[0]) == (11.0, 1.0)
-    assert fig.layout.annotations[0].text == "fp16: ulp(2048) = 2"
+    marks = [t for t in fig.data if t.mode == "markers" and t.showlegend is not False]
+    assert [(m.x[0], m.y[0]) for m in marks] == [(11.0, 1.0), (-20.0, -24.0)]
+    assert [m.name for m in marks] == ["fp16: ulp(2048) = 2", "fp16: ulp(2^-20) = 2^-24"]
+    assert len({m.marker.symbol for m in marks}) == 2          # told apart by shape, not only by colour
+    assert not fig.layout.annotations                          # no label drawn over a staircase
+
+
+def test_legend_sits_below_the_lowest_staircase():
+    """The legend's corner (bottom right) holds no line: every staircase there lies above it."""
+    fig = spacing_figure(["fp32", "bf16", "fp16", "fp8_e5m2", "fp8_e4m3fn"], lo=-26, hi=18)
+    assert (fig.layout.legend.xanchor, fig.layout.legend.yanchor) == ("right", "bottom")
+    ylo = fig.layout.yaxis.range[0]
+    x, y = spacing_steps(FP32, -26, 18)
+    right = x >= 4                                     # the legend's left edge, about 2^4 on this axis
+    assert (y[right] - ylo > 20).all()                 # far above the bottom, where the legend sits
 
 
 def test_bad_input_is_named():
