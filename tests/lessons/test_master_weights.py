@@ -11,8 +11,6 @@ from ampviz.lessons.master_weights import TRACES, UpdateExplorer, applied_share,
 from ampviz.lessons.rounding import add_in
 
 
-
-
 def test_applied_share_is_zero_below_half_an_ulp_and_tends_to_one():
     share = applied_share(1.0, "fp16", [-4.0, math.log10(0.6 * 2.0 ** -10), 0.0])
     assert share[0] == 0.0                                    # 1e-4 < 2**-11
