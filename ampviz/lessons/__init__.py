@@ -19,6 +19,7 @@ rounding            weight updates and running sums rounded in a low format     
 master_weights      UpdateExplorer; pure fp16 vs fp32-master training, drawn       07
 underflow           captured gradients and the loss scales that save them          05, 06, 08
 format_ranges       one histogram against fp16 / bf16 / fp8 side by side           08
+fp8_scaling         fp8 casts per tensor / per row, judged by the GEMMs they feed  08b
 clipping            clipping before or after unscale_; ClipOrderExplorer           09
 sampler             what DistributedSampler hands each rank; SamplerExplorer       10, 11
 exercises           predict-first checks for every lesson's exercises              01-13

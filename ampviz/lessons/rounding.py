@@ -19,7 +19,7 @@ exact sum (what ``torch`` does for one fp16/bf16 addition), computed with
 
 The figure and the ``UpdateExplorer`` that show one update live in :mod:`ampviz.lessons.master_weights`.
 
-Used by lessons 07 (master weights) and 08 (bf16 and fp8).
+Used by lessons 07 (master weights) and 08 (bf16).
 """
 
 from __future__ import annotations
