@@ -109,3 +109,20 @@ def test_training_figure_draws_each_run_in_three_panels():
     assert fig.layout.template == pio.templates["simple_white"]        # the project's theme
     with pytest.raises(ValueError, match="runs"):
         training_figure({})
+
+
+def _visible(fig):
+    """What a learner sees: every trace's data, the shapes' positions and the annotations' text."""
+    traces = tuple((tuple(np.round(np.asarray(t.x, dtype=float), 9)), tuple(np.round(np.asarray(t.y, dtype=float), 9)))
+                   for t in fig.data)
+    shapes = tuple((s.name, s.x0, s.x1, s.visible) for s in fig.layout.shapes)
+    return traces, shapes, tuple(a.text for a in fig.layout.annotations), tuple(fig.layout.xaxis.range)
+
+
+@pytest.mark.parametrize("control, value", [("format_dropdown", "bf16"), ("format_dropdown", "fp32"),
+                                            ("weight_slider", 2.0 ** -4), ("update_slider", 1e-3)])
+def test_every_control_changes_the_figure_from_the_first_state(control, value):
+    w = UpdateExplorer(1.0, 4e-4, "fp16")
+    before, readout = _visible(w.figure), w.readout.value
+    getattr(w, control).value = value
+    assert _visible(w.figure) != before and w.readout.value != readout
