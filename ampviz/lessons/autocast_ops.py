@@ -23,7 +23,7 @@ those lists predict for an op (``expected_dtype``), so a lesson can compare them
 The figure (``op_table_figure``) and the widget (``AutocastExplorer``: pick a model and an autocast
 dtype, see every op's dtype) are at the end.
 
-Used by lessons 03 (autocast), 04 (autocast in practice) and 07 (master weights).
+Used by lessons 03 (autocast), 04 (autocast in practice) and 07b (master weights: where they live).
 """
 
 from __future__ import annotations
