@@ -112,6 +112,7 @@ class RunDashboard(W.VBox):
         run.rank_index(self.rank_dropdown.value)
         self.domain_buttons = W.ToggleButtons(options=["unscaled", "scaled"], value=domain, description="values",
                                               **buttons)
+        self.domain_buttons.layout.margin = "0 0 0 24px"      # apart from the kind buttons on the same row
         if not self.has_scaler:                                # loss scale 1: both domains are the same values
             self.domain_buttons.disabled = True
             self.domain_buttons.tooltips = ["no loss scaler in this run: scaled = unscaled"] * 2
