@@ -198,7 +198,9 @@ class Trainer(Evaluation):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`. Call it on **every** rank: DDP broadcasts weights only in its
-        constructor, and nothing ever synchronises optimizer, scaler or scheduler states."""
+        constructor, and nothing ever synchronises optimizer, scaler or scheduler states. The optimizer
+        adopts the tensors of ``state`` (no copy) and training then changes them: load a fresh ``state``
+        for every restore."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if state["scaler"]:                                 # empty when the scaler was disabled (bf16, fp32)

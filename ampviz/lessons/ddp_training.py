@@ -73,8 +73,9 @@ def _after(trainer, config, loader, state) -> dict:
 
 def resume_variants(config: Config, stop: int, out_dir: str) -> dict:
     """Train ``config.steps`` steps in one go, saving the training state at step ``stop``; then rebuild
-    everything (as a restarted job would) and resume from that state twice: restored on every rank, and
-    with the GradScaler's state restored on rank 0 only (rank 1 starts from ``init_scale``).
+    everything (as a restarted job would) and resume from that state three times: restored on every rank;
+    with the GradScaler's state restored on rank 0 only (the others start from ``init_scale``); and with
+    everything but the scaler's state restored, on every rank.
 
     Returns, per variant, this rank's weight checksum, loss scale, learning rate and skipped steps after
     ``stop``, plus the saved state's step and scale."""
@@ -85,10 +86,12 @@ def resume_variants(config: Config, stop: int, out_dir: str) -> dict:
     state = torch.load(path, map_location=env.device, weights_only=True)
     out = {"rank": env.rank, "saved step": int(state["step"]), "saved scale": float(state["scaler"]["scale"]),
            "uninterrupted": _after(trainer, config, loader, state)}
-    for variant in ("every rank", "scaler on rank 0 only"):
+    for variant, keeps_scaler in (("every rank", True), ("scaler on rank 0 only", env.rank == 0),
+                                  ("scaler on no rank", False)):
         trainer, loader = build(config, env)                   # a new job: fresh model, optimizer, scaler
-        restored = dict(state)
-        if variant == "scaler on rank 0 only" and env.rank != 0:
+        # read the file again: the optimizer adopts the loaded tensors, and training changes them in place
+        restored = torch.load(path, map_location=env.device, weights_only=True)
+        if not keeps_scaler:
             restored["scaler"] = {}                              # this rank forgot the scaler's state
         trainer.load_state_dict(restored)
         out[variant] = _after(trainer, config, loader, state)

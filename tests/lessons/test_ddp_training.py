@@ -25,3 +25,5 @@ def test_autocast_does_not_change_what_ddp_all_reduces_and_resuming_needs_every_
     assert resumed[0]["saved step"] == 8 and resumed[0]["saved scale"] != config.init_scale
     one = [r["scaler on rank 0 only"] for r in resumed]
     assert one[0]["checksum"] != one[1]["checksum"]                  # the replicas drifted apart, silently
+    none = [r["scaler on no rank"] for r in resumed]
+    assert none[0] == none[1]                                        # a fresh scaler everywhere: still replicas
