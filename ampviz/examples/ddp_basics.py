@@ -238,7 +238,7 @@ def sharded_evaluation(n_examples: int = 359) -> dict:
 
 
 def restore_and_broadcast(path: str, lr: float = 1e-3) -> dict:
-    """Resume from a checkpoint the way a widely read DDP walkthrough does: model on rank 0, then DDP's
+    """Resume from a checkpoint the way the walkthrough 模型训练（二） (Soup's Blog) does: model on rank 0, then DDP's
     broadcast; optimizer state restored on every rank, or (the mistake) on rank 0 only. One step each;
     checksums returned."""
     env = init_from_env(timeout=60)

@@ -1,15 +1,14 @@
-"""Rank functions for the DDP + AMP lessons: what DDP all-reduces under autocast, and resuming a run from a
-checkpoint on every rank (or, the mistake, restoring the GradScaler on one rank only).
+"""Resuming a DDP + AMP run from a checkpoint on every rank, against the uninterrupted run (and, the
+mistake, with the GradScaler's state restored on one rank only).
 
-Run them on two ranks from a notebook::
+Run it on two ranks from a notebook::
 
     from ampviz.examples.distributed import Workers
     from ampviz.examples.ddp_amp import Config
     with Workers(2) as workers:
-        sent = workers.run(all_reduce_dtypes)                        # the buckets' dtype, with and without AMP
-        resumed = workers.run(resume_variants, Config(steps=40), 20, "out")
+        resumed = workers.run(resume_variants, Config(steps=40, progress=False), 20, "out")
 
-Used by lessons 11 (DDP + AMP training) and 11b (checkpoints and resuming).
+Used by lessons 11 (DDP + AMP training), in its part b: 11b_ddp_amp_checkpoints.
 """
 
 from __future__ import annotations
@@ -17,44 +16,11 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..examples.data import digits
 from ..examples.ddp_amp import Config, build
 from ..examples.distributed import init_from_env
-from ..examples.models import MLP
 
-__all__ = ["all_reduce_dtypes", "resume_variants"]
-
-
-def all_reduce_dtypes() -> dict:
-    """One backward of a small MLP under DDP without autocast, with fp16 and with bf16 autocast: the dtype
-    of the parameters, of their ``.grad`` and of the bucket DDP all-reduces, and the bytes it sends."""
-    env = init_from_env(timeout=60)
-    d = digits(seed=0)
-    x, y = d.x_train[env.rank:64:2].to(env.device), d.y_train[env.rank:64:2].to(env.device)
-    out = {"rank": env.rank}
-    for label, dtype in (("fp32", None), ("fp16 autocast", torch.float16), ("bf16 autocast", torch.bfloat16)):
-        torch.manual_seed(0)
-        ddp = DDP(MLP(64, 32, depth=1, d_out=10).to(env.device))
-        sent = []
-
-        def hook(state, bucket, sent=sent):
-            sent.append((str(bucket.buffer().dtype), bucket.buffer().numel() * bucket.buffer().element_size()))
-            return default_hooks.allreduce_hook(state, bucket)
-
-        ddp.register_comm_hook(None, hook)
-        with torch.amp.autocast(env.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            logits = ddp(x)
-            loss = F.cross_entropy(logits, y)
-        loss.backward()
-        params = ddp.module.parameters()
-        out[label] = {"logits": str(logits.dtype), "parameters": str(next(params).dtype),
-                      "gradients": str(next(ddp.module.parameters()).grad.dtype),
-                      "bucket": sent[0][0], "bytes sent": sum(b for _, b in sent)}
-    return out
+__all__ = ["resume_variants"]
 
 
 def _checksum(module) -> float:

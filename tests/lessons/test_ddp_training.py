@@ -1,4 +1,4 @@
-"""ampviz.lessons.ddp_training on two real gloo ranks: what DDP all-reduces under autocast, and resuming."""
+"""ampviz.lessons.ddp_training on two real gloo ranks: resuming on every rank, or the scaler on one."""
 
 import pytest
 
@@ -9,16 +9,10 @@ from ampviz.lessons import ddp_training
 pytestmark = pytest.mark.slow
 
 
-def test_autocast_does_not_change_what_ddp_all_reduces_and_resuming_needs_every_rank(tmp_path):
+def test_a_run_resumed_on_every_rank_is_the_uninterrupted_run_and_a_scaler_on_one_rank_drifts(tmp_path):
     config = Config(steps=16, accum=2, batch=16, lr=1e-2, growth_interval=3, warmup=4, progress=False)
     with Workers(2, timeout=300) as workers:
-        sent = workers.run(ddp_training.all_reduce_dtypes)
         resumed = workers.run(ddp_training.resume_variants, config, 8, str(tmp_path))
-    for r in sent:
-        assert r["fp16 autocast"]["logits"] == "torch.float16" and r["bf16 autocast"]["logits"] == "torch.bfloat16"
-        for label in ("fp16 autocast", "bf16 autocast"):
-            assert r[label]["bucket"] == r[label]["gradients"] == "torch.float32"
-            assert r[label]["bytes sent"] == r["fp32"]["bytes sent"]
     straight = [r["uninterrupted"] for r in resumed]
     every = [r["every rank"] for r in resumed]
     assert straight[0] == straight[1] and every == straight          # bit-identical weights, same scale and LR
