@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ampviz.examples import ddp_basics
 from ampviz.examples.distributed import Workers, free_port
 from ampviz.lessons import ddp_inside
 
@@ -24,10 +25,14 @@ def test_mp_spawn_with_tcp_joins_without_torchruns_environment_and_gets_the_defa
     assert sorted(os.listdir(tmp_path)) == ["rank0.json", "rank1.json"]            # no temporary file left
 
 
-def test_buckets_are_rebuilt_after_the_first_backward_and_overlap_it():
+def test_buckets_are_rebuilt_after_the_first_backward_and_which_forwards_are_collectives():
     with Workers(2, timeout=180) as workers:
         events = workers.run(ddp_inside.bucket_events, 3, 4, 256, 0.5)
         lone = workers.run(ddp_inside.lone_forward, 2.0)
+        sent = workers.run(ddp_basics.forward_broadcasts)
+    # buffers: rank 0's win in a forward; whether the next forward syncs them depends on the last one's grad mode
+    assert sent[0]["buffer after forward"] == sent[1]["buffer after forward"] == [0.0, 0.0]
+    assert all(r["forward syncs buffers"] and not r["syncs after a no_grad forward"] for r in sent)
     for r in events:
         first, later = r["events"][0], r["events"][1:]
         # iteration 0: one bucket, all-reduced after the last gradient
