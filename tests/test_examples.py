@@ -94,3 +94,9 @@ def test_config_rejects_bad_values():
         Config(amp="fp8")
     with pytest.raises(ValueError, match="accum: expected an integer >= 1, got 0"):
         Config(accum=0)
+    with pytest.raises(ValueError, match="warmup: expected an integer >= 0, got -1"):
+        Config(warmup=-1)
+    with pytest.raises(ValueError, match="max_grad_norm: expected a positive number or None, got -1"):
+        Config(max_grad_norm=-1)
+    with pytest.raises(ValueError, match="resume: expected a state.pt .* got 'nowhere.pt', which is not a file"):
+        Config(resume="nowhere.pt")

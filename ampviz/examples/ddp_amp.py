@@ -84,6 +84,9 @@ class Config:
         check_int("warmup", self.warmup, low=0)
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {self.max_grad_norm!r}")
+        if self.resume is not None and not os.path.isfile(self.resume):
+            raise ValueError(f"resume: expected a state.pt written by {PROG} (--out DIR writes DIR/state.pt), "
+                             f"got {self.resume!r}, which is not a file")
 
 
 def splits(seed: int = 0, dev_fraction: float = 0.15):
