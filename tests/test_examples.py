@@ -30,9 +30,11 @@ def test_ddp_amp_example_records_every_rank(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"ampviz info {out}" in proc.stdout and f"ampviz report {out} -o {out / 'report.html'}" in proc.stdout
     assert "precision" in proc.stdout and "accuracy" in proc.stdout        # the test-set classification report
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "rank0.npz", "rank1.npz"]
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "rank0.npz", "rank1.npz", "state.pt"]
     run = ampviz.Run.load(out)
     assert run.ranks == [0, 1] and run.meta["world_size"] == 2 and run.n_steps == 16
+    # the LR schedule stepped only on the steps the scaler did not skip
+    np.testing.assert_array_equal(run.scheduler_steps[0], np.cumsum(~run.skipped[0]))
     kinds = np.array(run.tensor_kinds)
     reduced, local = run.counts[:, :, kinds == "weight"], run.counts[:, :, kinds == "weight_local"]
     np.testing.assert_array_equal(reduced[0], reduced[1])                  # all-reduced: identical
@@ -44,6 +46,19 @@ def test_ddp_amp_example_records_every_rank(tmp_path, capsys):
     np.testing.assert_array_equal(run.loss_scale[0], run.loss_scale[1])
     assert cli.main(["info", str(out)]) == 0
     assert "2 ranks" in capsys.readouterr().out
+
+
+def test_a_run_resumed_from_its_state_continues_where_it_stopped(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = torchrun("-m", "ampviz.examples.ddp_amp", "--out", str(first), "--steps", "6", "--eval-every", "6",
+                    "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun("-m", "ampviz.examples.ddp_amp", "--out", str(second), "--steps", "10", "--eval-every", "10",
+                    "--resume", str(first / "state.pt"), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = ampviz.Run.load(second)
+    assert run.n_steps == 4                                                # steps 6 to 9
+    assert run.meta["scheduler"]["last_epoch_at_start"] == 6 - ampviz.Run.load(first).skipped[0].sum()
 
 
 def test_a_hanging_rank_makes_the_survivor_time_out_with_a_clear_error(tmp_path):
@@ -79,3 +94,9 @@ def test_config_rejects_bad_values():
         Config(amp="fp8")
     with pytest.raises(ValueError, match="accum: expected an integer >= 1, got 0"):
         Config(accum=0)
+    with pytest.raises(ValueError, match="warmup: expected an integer >= 0, got -1"):
+        Config(warmup=-1)
+    with pytest.raises(ValueError, match="max_grad_norm: expected a positive number or None, got -1"):
+        Config(max_grad_norm=-1)
+    with pytest.raises(ValueError, match="resume: expected a state.pt .* got 'nowhere.pt', which is not a file"):
+        Config(resume="nowhere.pt")
