@@ -145,6 +145,8 @@ def test_playground_replays_the_policy_the_controls_describe():
     assert list(w.figure.data[TRACES["replay skipped"]].x) == list(np.nonzero(expected.skipped)[0])
     assert w.figure.data[TRACES["replay skipped"]].name == f"replay: {expected.n_skipped} skipped"
     assert f"<b>{expected.n_skipped}</b> of 300 steps skipped" in w.readout.value
+    # a greyed-out control says why (the browser review found the hysteresis slider disabled without a word)
+    assert "hysteresis: not used by the PyTorch GradScaler policy" in w.readout.value
     w.policy_dropdown.value = "deepspeed"
     w.hysteresis_slider.value = 3
     ds = replay(DeepSpeedPolicy(2.0 ** 20, scale_factor=2.0, scale_window=10, hysteresis=3), trace)
@@ -158,6 +160,8 @@ def test_playground_replays_the_policy_the_controls_describe():
     w.policy_dropdown.value = "static"
     assert w.replay.scale.tolist() == replay(StaticPolicy(2.0 ** 20), trace).scale.tolist()
     assert all(c.disabled for c in (w.growth_slider, w.backoff_slider, w.interval_slider, w.hysteresis_slider))
+    assert "growth_factor, backoff_factor, growth_interval, hysteresis: not used by the static policy" \
+        in w.readout.value
 
 
 def test_playground_reports_where_deepspeed_stops():
