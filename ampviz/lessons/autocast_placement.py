@@ -26,7 +26,12 @@ Used by lessons 04 (autocast in practice).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import math
+import re
+import threading
 from dataclasses import dataclass
 
 import ipywidgets as widgets
@@ -38,7 +43,7 @@ from ..plots.style import OKABE_ITO, base_layout
 from .autocast_ops import OpLog
 
 __all__ = ["OPTIMIZERS", "INSIDE", "CUSTOM_VARIANTS", "PlacementResult", "placement_step", "custom_matmul",
-           "trace_custom_function", "PlacementExplorer"]
+           "trace_custom_function", "parallel_apply_autocast_call", "autocast_in_threads", "PlacementExplorer"]
 
 OPTIMIZERS = ("sgd", "adam", "muon")
 INSIDE = ("forward", "backward", "step")       # the last part of the step that runs inside autocast
@@ -53,6 +58,7 @@ class PlacementResult:
     weights: list                 # the parameters after the step (detached copies)
     update: float                 # largest |change| of any parameter in the step
     head_grad: torch.Tensor       # the head's weight gradient (unscaled, fp32)
+    grads: list                   # every parameter's gradient (unscaled, fp32), in parameter order
     backward_mm: dict             # {"float32": n, "16-bit": n}: matrix multiplies in the backward
     skipped: bool                 # the scaler skipped the step
 
@@ -100,12 +106,12 @@ def placement_step(model, x, y, *, dtype: torch.dtype = torch.float16, optimizer
         with tracer.phase("optimizer"):
             for opt in opts:
                 scaler.unscale_(opt)
-            head_grad.append(model.head.weight.grad.detach().clone())
+            grads.extend(p.grad.detach().clone() for p in model.parameters())
             for opt in opts:
                 scaler.step(opt)
             scaler.update()
 
-    head_grad, scale = [], scaler.get_scale()
+    grads, scale = [], scaler.get_scale()
     with OpLog() as tracer:
         with torch.amp.autocast(device, dtype=dtype):
             features = model.body(x)
@@ -126,7 +132,8 @@ def placement_step(model, x, y, *, dtype: torch.dtype = torch.float16, optimizer
     update = max(float((a - b).abs().max()) for a, b in zip(after, before))
     mm = {"float32": tracer.count("mm", "backward", "float32"),
           "16-bit": tracer.count("mm", "backward", str(dtype).removeprefix("torch."))}
-    return PlacementResult(after, update, head_grad[0], mm, scaler.is_enabled() and scaler.get_scale() < scale)
+    head = [n for n, _ in model.named_parameters()].index("head.weight")
+    return PlacementResult(after, update, grads[head], grads, mm, scaler.is_enabled() and scaler.get_scale() < scale)
 
 
 def custom_matmul(variant: str, device_type: str = "cpu"):
@@ -192,37 +199,90 @@ def _backward(loss, tracer):
     return None
 
 
-class PlacementExplorer(widgets.VBox):
-    """Choose an optimizer, an autocast dtype, and what runs inside the autocast block; see how far
-    each parameter lands from the recommended step (forward and loss inside, the rest outside).
+def parallel_apply_autocast_call() -> str:
+    """The ``torch.amp.autocast(...)`` call with which the installed torch's ``nn.parallel.parallel_apply`` (what
+    ``nn.DataParallel`` runs each replica with, one thread per GPU) enters autocast in a replica's thread."""
+    import torch.nn.parallel.parallel_apply as module
+    found = re.search(r"torch\.amp\.autocast\([^()]*\)", inspect.getsource(module))
+    if found is None:
+        raise RuntimeError("torch.nn.parallel.parallel_apply no longer calls torch.amp.autocast(...): "
+                           "what DataParallel's replicas inherit has changed in this torch")
+    return " ".join(found.group(0).split())
 
-    Public state: ``optimizer``, ``dtype``, ``inside``, ``island``
-    (controls), ``figure`` (a FigureWidget: one bar per parameter), ``readout`` (HTML), ``result``
-    and ``reference`` (the :class:`PlacementResult` shown and the recommended one), ``changes``
-    (largest |difference| per parameter, relative to the reference step's largest update).
+
+def autocast_in_threads(module, x, dtype: torch.dtype) -> dict:
+    """``module(x)``'s output dtype under ``autocast(x.device.type, dtype=dtype)``: in the caller, in a new plain
+    thread, and in a new thread that enters autocast with only the caller's *enabled* flag, as
+    ``parallel_apply`` does (see :func:`parallel_apply_autocast_call`). Each thread runs its own copy of the
+    module, as each DataParallel replica does.
+
+    Autocast's state (enabled flag and dtype) is thread-local: a new thread starts from the defaults.
+    """
+    device_type, results, errors = x.device.type, {}, []
+
+    def run(name, enabled=None):
+        try:
+            with torch.no_grad(), torch.amp.autocast(device_type, enabled=bool(enabled)) if enabled is not None \
+                    else contextlib.nullcontext():
+                results[name] = copy.deepcopy(module)(x).dtype
+        except Exception as err:                    # re-raised in the caller below
+            errors.append(err)
+
+    with torch.no_grad(), torch.amp.autocast(device_type, dtype=dtype):
+        results["caller"] = module(x).dtype
+        enabled = torch.is_autocast_enabled(device_type)
+        for args in (("new thread",), ("new thread + the caller's enabled flag", enabled)):
+            thread = threading.Thread(target=run, args=args)
+            thread.start()
+            thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class PlacementExplorer(widgets.VBox):
+    """Choose an optimizer, an autocast dtype and whether the head is a float32 island; see, per parameter, how
+    far each misplaced step (the backward inside the block; also ``scaler.step`` and ``update`` inside) lands
+    from the recommended one (forward and loss inside, the rest outside).
+
+    The y axis is logarithmic and fixed (``Y_RANGE``, relative to the recommended step's largest update), so a
+    difference of 1e-4 and one of 2 look as different as they are; a parameter that came out bit-for-bit
+    identical is drawn at the floor with the label "0".
+
+    Public state: ``optimizer``, ``dtype``, ``island`` (controls), ``figure`` (a FigureWidget: one bar trace
+    per misplaced step, one bar per parameter), ``readout`` (HTML), ``reference`` and ``results`` (the
+    :class:`PlacementResult` of the recommended step and of each misplaced one), ``changes`` (per misplaced
+    step, the largest |difference| per parameter relative to the reference step's largest update).
     """
 
-    def __init__(self, model, x, y, lr: float = 0.02):
+    MISPLACED = {"backward": "backward inside", "step": "backward, step and update inside"}
+    Y_RANGE = (1e-8, 10.0)
+
+    def __init__(self, model, x, y, lr: float, island: bool = True):
         self._model, self._x, self._y, self._lr, self._cache = model, x, y, lr, {}
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer = widgets.Dropdown(options=[("SGD", "sgd"), ("Adam", "adam"), ("Muon", "muon")],
                                           value="sgd", description="optimizer")
         self.dtype = widgets.Dropdown(options=[("float16", torch.float16), ("bfloat16", torch.bfloat16)],
                                       value=torch.float16, description="autocast")
-        self.inside = widgets.ToggleButtons(options=[("forward + loss", "forward"), ("+ backward", "backward"),
-                                                     ("+ step and update", "step")], value="forward",
-                                            description="in autocast")
-        self.island = widgets.Checkbox(value=False, description="head as a float32 island")
+        self.island = widgets.Checkbox(value=island, description="head as a float32 island")
+        colors = (OKABE_ITO["blue"], OKABE_ITO["orange"])
+        lo, hi = (math.log10(v) for v in self.Y_RANGE)
         self.figure = go.FigureWidget(
-            data=[go.Bar(x=self.names, y=[0.0] * len(self.names), marker_color=OKABE_ITO["blue"])],
-            layout=base_layout("Distance from the recommended step", "largest |difference| per parameter, "
-                               "relative to the recommended step's largest update", height=360,
-                               yaxis=dict(title="relative difference", rangemode="tozero"), inline_subtitle=True))
+            data=[go.Bar(name=label, x=self.names, y=[self.Y_RANGE[0]] * len(self.names), marker_color=color,
+                         text=[""] * len(self.names), textposition="outside", cliponaxis=False)
+                  for label, color in zip(self.MISPLACED.values(), colors)],
+            layout=base_layout("Distance from the recommended step", "largest |difference| per parameter, relative "
+                               "to the recommended step's largest update; 0: bit-for-bit identical", height=400,
+                               barmode="group", showlegend=True, inline_subtitle=True,
+                               yaxis=dict(title="relative difference", type="log", range=[lo, hi],
+                                          dtick=1, exponentformat="power"),
+                               legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0)))
+        self.figure.layout.margin.t = 120
         self.readout = widgets.HTML()
-        for control in (self.optimizer, self.dtype, self.inside, self.island):
+        for control in (self.optimizer, self.dtype, self.island):
             control.observe(self._update, names="value")
-        super().__init__([widgets.HBox([self.optimizer, self.dtype, self.island]), self.inside,
-                          self.readout, self.figure])
+        super().__init__([widgets.HBox([self.optimizer, self.dtype, self.island]), self.readout, self.figure])
         self._update()
 
     def step_for(self, optimizer, dtype, inside, island) -> PlacementResult:
@@ -236,13 +296,17 @@ class PlacementExplorer(widgets.VBox):
     def _update(self, change=None):
         setting = (self.optimizer.value, self.dtype.value)
         self.reference = self.step_for(*setting, "forward", self.island.value)
-        self.result = self.step_for(*setting, self.inside.value, self.island.value)
+        self.results = {inside: self.step_for(*setting, inside, self.island.value) for inside in self.MISPLACED}
         scale = self.reference.update or 1.0
-        self.changes = [float((a - b).abs().max()) / scale for a, b in zip(self.result.weights, self.reference.weights)]
-        identical = all(torch.equal(a, b) for a, b in zip(self.result.weights, self.reference.weights))
+        self.changes = {inside: [float((a - b).abs().max()) / scale for a, b in zip(r.weights, self.reference.weights)]
+                        for inside, r in self.results.items()}
         with self.figure.batch_update():
-            self.figure.data[0].y = self.changes
-        mm = self.result.backward_mm
-        self.readout.value = (f"<b>{'identical to' if identical else 'differs from'} the recommended step</b> · "
-                              f"backward matrix multiplies: {mm['float32']} in float32, {mm['16-bit']} in 16 bits"
-                              + (" · the scaler skipped this step" if self.result.skipped else ""))
+            for bar, changes in zip(self.figure.data, self.changes.values()):
+                bar.y = [max(c, self.Y_RANGE[0]) for c in changes]
+                bar.text = ["0" if c == 0 else f"{c:.2g}" if c >= 0.01 else f"{c:.1e}" for c in changes]
+        mm = [self.reference.backward_mm["float32"]] + [r.backward_mm["float32"] for r in self.results.values()]
+        skipped = [name for name, r in [("recommended", self.reference), *self.results.items()] if r.skipped]
+        self.readout.value = (
+            f"recommended step: largest update <b>{self.reference.update:.2e}</b> (lr {self._lr:g}) · "
+            f"backward matrix multiplies in float32: recommended {mm[0]}, backward inside {mm[1]}, "
+            f"all inside {mm[2]}" + (f" · the scaler skipped: {', '.join(skipped)}" if skipped else ""))
