@@ -43,7 +43,8 @@ from ..plots.style import OKABE_ITO, base_layout
 from .autocast_ops import OpLog
 
 __all__ = ["OPTIMIZERS", "INSIDE", "CUSTOM_VARIANTS", "PlacementResult", "placement_step", "custom_matmul",
-           "trace_custom_function", "parallel_apply_autocast_call", "autocast_in_threads", "PlacementExplorer"]
+           "trace_custom_function", "engine_reduces_then_casts", "parallel_apply_autocast_call", "autocast_in_threads",
+           "PlacementExplorer"]
 
 OPTIMIZERS = ("sgd", "adam", "muon")
 INSIDE = ("forward", "backward", "step")       # the last part of the step that runs inside autocast
@@ -197,6 +198,36 @@ def _backward(loss, tracer):
     except RuntimeError as err:
         return str(err).split("\n")[0]
     return None
+
+
+class _Float32BatchGradient(torch.autograd.Function):
+    """Broadcasts a bias-shaped input over a batch; its backward hands back a float32, batch-shaped gradient."""
+
+    @staticmethod
+    def forward(ctx, bias):
+        return bias.expand(4, *bias.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.float()
+
+
+def engine_reduces_then_casts(dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
+    """What the autograd engine does with a float32, batch-shaped gradient handed back for a 16-bit, bias-shaped
+    input (the state CUDA autocast's float32 ``sum`` would leave a bias gradient in): it sums the gradient to the
+    input's shape, then casts it to the input's dtype.
+
+    Returns
+    -------
+    The engine's ops on that gradient, in order, as ``(op, input dtypes, output dtypes)``.
+    """
+    bias = torch.randn(3, dtype=dtype, requires_grad=True)
+    with OpLog() as tracer:
+        out = _Float32BatchGradient.apply(bias)
+        with tracer.phase("backward"):
+            out.backward(torch.ones_like(out))
+    after = [r for r in tracer.select("backward") if r.op in ("sum", "_to_copy") and r.input_dtypes == ("float32",)]
+    return [(r.op, r.input_dtypes, r.output_dtypes) for r in after]
 
 
 def parallel_apply_autocast_call() -> str:

@@ -23,7 +23,7 @@ __all__ = ["Table", "TINTS"]
 
 # Row tints, matched to the figures' colours (Okabe–Ito orange and bluish green, lightened)
 TINTS = {"16-bit": "#FBE8CF", "cast": "#DDF1E8", "note": "#FFF6C8", "none": ""}
-_CELL = "padding:3px 12px 3px 0;text-align:left;vertical-align:top;overflow-wrap:anywhere"
+_CELL = "padding:3px 12px 3px 0;text-align:left;vertical-align:top;overflow-wrap:break-word"
 
 
 class Table:
