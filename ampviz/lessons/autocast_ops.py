@@ -21,7 +21,7 @@ The table of a trace (``op_table``) and the widget (``AutocastExplorer``: pick a
 dtype, see every op's dtype) are at the end; the op lists themselves (PyTorch's documented ones, the
 installed torch's) are in :mod:`ampviz.lessons.autocast_lists`.
 
-Used by lessons 03 (autocast), 04 (autocast in practice) and 07 (master weights).
+Used by lessons 03 (autocast), 04 and 04b (autocast in practice, in your own code) and 07 (master weights).
 """
 
 from __future__ import annotations

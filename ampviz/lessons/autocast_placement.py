@@ -21,7 +21,7 @@ matrix multiplies ran in each dtype, traced with :class:`~ampviz.lessons.autocas
 without the ``torch.amp`` decorators, and ``trace_custom_function`` reports the dtypes its forward and
 backward ran in (or the error the backward raised). ``PlacementExplorer`` is the widget.
 
-Used by lessons 04 (autocast in practice).
+Used by lessons 04 (autocast in practice) and 04b (autocast in your own code).
 """
 
 from __future__ import annotations

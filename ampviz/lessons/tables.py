@@ -12,7 +12,7 @@ elsewhere; its ``header`` and ``rows`` keep the full text, so a test can check t
     old                        new
     torch.cuda.amp.autocast()  torch.amp.autocast("cuda")
 
-Used by lessons 03 (autocast), 04 (autocast in practice).
+Used by lessons 03 (autocast) and 04b (autocast in your own code).
 """
 
 from __future__ import annotations
