@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from ..plots.style import OKABE_ITO, base_layout
 from .autocast_ops import OpLog
 
-__all__ = ["OPTIMIZERS", "INSIDE", "CUSTOM_VARIANTS", "PlacementResult", "placement_step", "custom_matmul",
+__all__ = ["OPTIMIZERS", "INSIDE", "CUSTOM_VARIANTS", "PlacementResult", "placement_step", "adam_first_step_moves",
+           "custom_matmul",
            "trace_custom_function", "engine_reduces_then_casts", "parallel_apply_autocast_call", "autocast_in_threads",
            "PlacementExplorer"]
 
@@ -135,6 +136,32 @@ def placement_step(model, x, y, *, dtype: torch.dtype = torch.float16, optimizer
           "16-bit": tracer.count("mm", "backward", str(dtype).removeprefix("torch."))}
     head = [n for n, _ in model.named_parameters()].index("head.weight")
     return PlacementResult(after, update, grads[head], grads, mm, scaler.is_enabled() and scaler.get_scale() < scale)
+
+
+def adam_first_step_moves(model, batches, *, dtype: torch.dtype, lr: float) -> dict:
+    """Adam's first step with the head as a float32 island, recommended (backward outside) against the backward
+    inside the block, on each ``(x, y)`` of ``batches``: how far each weight lands from where the recommended step
+    put it, in units of ``lr``.
+
+    Adam's first step moves a weight by ``lr * g / (|g| + eps)``: about ``lr`` whatever the size of ``g``.
+
+    Returns
+    -------
+    dict of 1-D tensors: "flipped" (moves of the weights whose gradient changed sign), "predicted" (for those
+    weights, ``|g|/(|g|+eps) + |g'|/(|g'|+eps)`` from the two gradients), "kept" (moves of the weights whose
+    gradient kept its sign, both gradients above ``1e-6``).
+    """
+    eps = inspect.signature(torch.optim.Adam).parameters["eps"].default
+    out = {"flipped": [], "predicted": [], "kept": []}
+    for x, y in batches:
+        a, b = (placement_step(model, x, y, dtype=dtype, optimizer="adam", island=True, inside=inside, lr=lr)
+                for inside in ("forward", "backward"))
+        for g, h, w, v in zip(a.grads, b.grads, a.weights, b.weights):
+            moved, flip = (w - v).abs() / lr, g * h < 0
+            out["flipped"].append(moved[flip])
+            out["predicted"].append((g.abs() / (g.abs() + eps) + h.abs() / (h.abs() + eps))[flip])
+            out["kept"].append(moved[~flip & (g.abs() > 1e-6) & (h.abs() > 1e-6)])
+    return {k: torch.cat(v) for k, v in out.items()}
 
 
 def custom_matmul(variant: str, device_type: str = "cpu"):

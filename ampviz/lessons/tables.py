@@ -22,7 +22,7 @@ import html
 __all__ = ["Table", "TINTS"]
 
 # Row tints, matched to the figures' colours (Okabe–Ito orange and bluish green, lightened)
-TINTS = {"16-bit": "#FBE8CF", "cast": "#DDF1E8", "note": "#FFF6C8", "none": ""}
+TINTS = {"16-bit": "#FBE8CF", "cast": "#DDF1E8", "note": "#DCEEFB", "none": ""}
 _CELL = "padding:3px 12px 3px 0;text-align:left;vertical-align:top;overflow-wrap:break-word"
 
 

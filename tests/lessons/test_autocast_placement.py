@@ -144,3 +144,22 @@ def test_explorer_state_follows_its_controls(batch):
     explorer.island.value = True
     assert explorer.results["backward"].backward_mm["float32"] == 0 and explorer.reference.backward_mm["float32"] == 2
     assert "recommended 2, backward inside 0, all inside 0" in explorer.readout.value
+
+
+def test_adam_moves_a_weight_whose_gradient_flips_by_its_first_step_formula(batch):
+    """The old lesson asserted only moved > 0.5 lr for "almost twice lr"; the formula pins every flipped weight."""
+    from ampviz.examples.data import digits
+    from ampviz.lessons.autocast_placement import adam_first_step_moves
+    model, _, _ = batch
+    d = digits(seed=0)
+    batches = [(d.x_train[32 * k:32 * (k + 1)], d.y_train[32 * k:32 * (k + 1)]) for k in range(5)]
+    moves = adam_first_step_moves(model, batches, dtype=torch.bfloat16, lr=0.02)
+    assert moves["flipped"].numel() > 0 and torch.allclose(moves["flipped"], moves["predicted"], rtol=1e-3)
+    assert moves["flipped"].max() <= 2.0 and moves["kept"].numel() > 1000 and moves["kept"].max() < 0.01
+
+
+def test_the_engine_sums_a_gradient_to_its_input_shape_then_casts_it_to_its_dtype():
+    from ampviz.lessons.autocast_placement import engine_reduces_then_casts
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        assert engine_reduces_then_casts(dtype) == [("sum", ("float32",), ("float32",)),
+                                                    ("_to_copy", ("float32",), (name,))]
