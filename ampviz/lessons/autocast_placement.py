@@ -298,6 +298,14 @@ def autocast_in_threads(module, x, dtype: torch.dtype) -> dict:
     return results
 
 
+def _short(value: float) -> str:
+    """A bar label: "0", "0.5", "1.9" or "1.3e-4" (short enough for two bars side by side)."""
+    if value == 0 or value >= 0.01:
+        return f"{value:.2g}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 class PlacementExplorer(widgets.VBox):
     """Choose an optimizer, an autocast dtype and whether the head is a float32 island; see, per parameter, how
     far each misplaced step (the backward inside the block; also ``scaler.step`` and ``update`` inside) lands
@@ -328,7 +336,8 @@ class PlacementExplorer(widgets.VBox):
         lo, hi = (math.log10(v) for v in self.Y_RANGE)
         self.figure = go.FigureWidget(
             data=[go.Bar(name=label, x=self.names, y=[self.Y_RANGE[0]] * len(self.names), marker_color=color,
-                         text=[""] * len(self.names), textposition="outside", cliponaxis=False)
+                         text=[""] * len(self.names), textposition="outside", cliponaxis=False,
+                         textfont=dict(size=10))
                   for label, color in zip(self.MISPLACED.values(), colors)],
             layout=base_layout("Distance from the recommended step", "largest |difference| per parameter, relative "
                                "to the recommended step's largest update; 0: bit-for-bit identical", height=400,
@@ -361,7 +370,7 @@ class PlacementExplorer(widgets.VBox):
         with self.figure.batch_update():
             for bar, changes in zip(self.figure.data, self.changes.values()):
                 bar.y = [max(c, self.Y_RANGE[0]) for c in changes]
-                bar.text = ["0" if c == 0 else f"{c:.2g}" if c >= 0.01 else f"{c:.1e}" for c in changes]
+                bar.text = [_short(c) for c in changes]
         mm = [self.reference.backward_mm["float32"]] + [r.backward_mm["float32"] for r in self.results.values()]
         skipped = [name for name, r in [("recommended", self.reference), *self.results.items()] if r.skipped]
         self.readout.value = (
