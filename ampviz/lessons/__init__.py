@@ -14,7 +14,8 @@ memory              the bytes of one training step; MemoryExplorer              
 comm                what DDP's all-reduce sends, per bucket                        02
 autocast_ops        every aten op and its dtype under autocast; AutocastExplorer   03, 04, 04b, 07
 autocast_lists      autocast's op lists: the docs, the dispatcher, probes          03, 04
-autocast_placement  backward / optimizer / custom Functions in or out of autocast  04, 04b
+autocast_placement  backward and the optimizer step in or out of autocast; explorer 04
+autocast_code       custom Functions (custom_fwd / custom_bwd); autocast in threads 04b
 muon                Muon's Newton–Schulz products under autocast                   04 (appendix)
 tables              HTML tables that keep every cell whole                         03, 04b
 dataflow            the dtype on each arrow of one mixed-precision step            07

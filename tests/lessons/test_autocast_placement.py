@@ -5,14 +5,13 @@ import torch
 
 from ampviz.examples.data import digits
 from ampviz.examples.models import MLP
-from ampviz.lessons.autocast_placement import (
+from ampviz.lessons.autocast_code import (
     CUSTOM_VARIANTS,
-    PlacementExplorer,
     autocast_in_threads,
     parallel_apply_autocast_call,
-    placement_step,
     trace_custom_function,
 )
+from ampviz.lessons.autocast_placement import PlacementExplorer, placement_step
 
 
 @pytest.fixture(scope="module")
