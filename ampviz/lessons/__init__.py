@@ -12,8 +12,12 @@ spacing             the gap between neighbouring values, per binade             
 throughput          matmul speed per dtype, measured                               02
 memory              the bytes of one training step; MemoryExplorer                 02
 comm                what DDP's all-reduce sends, per bucket                        02
-autocast_ops        every aten op and its dtype under autocast; AutocastExplorer   03, 04, 07
-autocast_placement  backward / optimizer / custom Functions in or out of autocast  04
+autocast_ops        every aten op and its dtype under autocast; AutocastExplorer   03, 04, 04b, 07b
+autocast_lists      autocast's op lists: the docs, the dispatcher, probes          03, 04
+autocast_placement  backward and the optimizer step in or out of autocast; explorer 04
+autocast_code       custom Functions (custom_fwd / custom_bwd); autocast in threads 04b
+muon                Muon's Newton–Schulz products under autocast                   04 (appendix)
+tables              HTML tables that keep every cell whole                         03, 04b
 dataflow            the dtype on each arrow of one mixed-precision step            07b
 rounding            weight updates and running sums rounded in a low format       07, 08
 master_weights      UpdateExplorer; pure fp16 vs fp32-master training, drawn       07
