@@ -160,8 +160,6 @@ class Recorder:
         self.tensor_kinds = (["weight"] * len(watched) + ["activation"] * len(self._activations)
                              + ["output"] * len(self._outputs)
                              + (["weight_local"] * len(watched) if self._local else []))
-        dtypes = [str(p.dtype) for _, p in self._params]
-        self._dtypes = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         self._open = self._closed = False
         self._run = None
         self._term = SaveOnTerm()
@@ -242,7 +240,7 @@ class Recorder:
         self._flush()
         self._run = self._build_run(final=True)
         if not failing:
-            self._checks.at_close(self._step, self._capture.total_optimizer_steps, self._forwards)
+            self._checks.at_close(self._step, self._capture, self._forwards)
             problems = [p for p in self._model_changes() if p not in self._changes_seen]
             if problems:
                 warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those rows "
@@ -302,14 +300,15 @@ class Recorder:
         self._capture = Capture(self._params, self._activations, self._outputs, self._local, self._counter,
                                 self._ddp)
         self._counter.target = self._store.slot()
-        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params))
+        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params),
+                                  watched=len(self._capture.watched))
         self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
         self._created = time.time()
         # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
         root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
-        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None)
+        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler)
         if self.path is not None:
             self._term.install()
 
@@ -328,7 +327,7 @@ class Recorder:
         capture = self._capture
         epoch = None if self.scheduler is None else self.scheduler.last_epoch
         self._store.put_scalars(loss, self.scaler, epoch)
-        self._checks.at_step(capture.optimizer_steps)
+        self._checks.at_step(capture)
         if capture.capturing:
             capture.finish_step()
             self._store.end_row(self._step, capture.order, self._counter)
@@ -353,8 +352,11 @@ class Recorder:
         a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
+        # weight rows: the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes them)
+        dtypes = [str(p.dtype) for _, p in self._params]
+        initial = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
-                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes),
+                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(initial),
                    meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
 
     def _meta(self) -> dict:
