@@ -86,15 +86,33 @@ def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
     domains = run.meta.get("domains", {})
     rows.append(("tensors", f"{s['tensors']}: " + ", ".join(
         f"{n} {k} gradients ({domains.get(k, 'unscaled')})" for k, n in kinds.items())))
+    flushed = _flushed_text(s["flushed_in_backward"])
     rows.append((f"{fmt.name} at the recorded scale",
-                 f"worst flushed to zero {_worst(s['worst_flushed_fraction'], s['worst_flushed_tensor'])}; "
-                 f"worst overflow {_worst(s['worst_overflow_fraction'], s['worst_overflow_tensor'])}"))
+                 (flushed if flushed and fmt.name == "fp16" else
+                  f"worst flushed to zero {_worst(s['worst_flushed_fraction'], s['worst_flushed_tensor'])}")
+                 + f"; worst overflow {_worst(s['worst_overflow_fraction'], s['worst_overflow_tensor'])}"))
+    if flushed and fmt.name != "fp16":
+        rows.append(("fp16 backward", flushed))
     if not (constant and s["scale_min"] == 1.0):          # with no scaling at all, the row above says it
         frac, name = worst_without_scaling(run, fmt)
         rows.append((f"{fmt.name} without scaling", f"worst flushed to zero {_worst(frac, name)}"))
     if "demo" in run.meta:
         rows.append(("test accuracy", f"{100 * run.meta['demo']['test_accuracy']:.1f}% (ampviz demo)"))
     return rows
+
+
+def _flushed_text(flushed: list) -> str:
+    """What the zeros of tensors that fp16 flushed inside the backward are (``Run.summary()["flushed_in_backward"]``);
+    "" when none."""
+    if not flushed:
+        return ""
+    x = flushed[0]
+    n, judged = len(x["steps"]), x["judged_steps"]
+    worst = (f"{x['tensor']} all zeros at {n} of {judged} steps" if x["all_zero_steps"] == n else
+             f"{x['tensor']} at fp16's floor at {n} of {judged} steps ({_percent(x['zero_share'])} exact zeros)")
+    more = len(flushed) - 1
+    return (f"flushed inside the fp16 backward, stored as exact zeros: {worst}"
+            + (f", and {more} more tensor{'s' if more != 1 else ''}" if more else "") + " (see ampviz doctor)")
 
 
 def _worst(fraction: float, tensor) -> str:

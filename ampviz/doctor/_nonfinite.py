@@ -14,6 +14,13 @@ Causes of a step whose gradients (or loss) are not finite, decided in this order
   largest binade (an overflow at the scale leaves a tail of large finite values next to the inf).
 * ``"loss scale"``: otherwise: the scaled gradients were at the edge of the format, an ordinary overflow
   that GradScaler answers by backing off.
+
+Clipping after ``scaler.unscale_`` rewrites a skipped step's weight gradients before the Recorder reads them
+(``Facts.clipped``): an infinite total norm multiplies every gradient by 0, so inf becomes nan and every finite
+value 0; a nan norm makes every value nan. Their nan are then read as the inf they were, and an inf in a weight
+gradient whose finite values the clip erased, at a step the scaler skipped, is an ordinary overflow; after a nan
+norm the weight gradients say nothing about where it started (activation gradients, recorded in the backward
+before any clip, still do).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats import get_format
-from ._facts import NEIGHBOURS, Facts, finding, names_text, scale_text, steps_text
+from ._facts import CLIPPED_INF, CLIPPED_NAN, NEIGHBOURS, Facts, finding, names_text, scale_text, steps_text
 
 CAUSES = ("forward", "loss scale", "not the loss scale", "unknown")
 
@@ -78,15 +85,20 @@ def _origin(facts: Facts, r: int, h: int, inf: np.ndarray, nan: np.ndarray) -> d
     bad = [t for t in facts.grad_rows if inf[t] + nan[t] > 0]
     order, recorded = facts.backward_rank(r, h)
     bad.sort(key=lambda t: order[t])
-    sources = _sources(facts, bad, order)
+    clipped = int(facts.clipped(r)[h])
+    # after a nan norm every weight gradient is nan: none of them tells where the nan started
+    blind = set(facts.weight_rows) if clipped == CLIPPED_NAN else set()
+    sources = _sources(facts, [t for t in bad if t not in blind], order)
     outputs = [t for t in facts.output_rows if inf[t] + nan[t] > 0]
     nearest = min(facts.grad_rows, key=lambda g: order[g]) if facts.grad_rows else None
     return {"inf": {names[t]: int(inf[t]) for t in bad if inf[t]},
             "nan": {names[t]: int(nan[t]) for t in bad if nan[t]},
             "order_recorded": recorded, "spread": [names[t] for t in bad if t not in sources],
+            "clipped": {0: None, CLIPPED_INF: "inf norm", CLIPPED_NAN: "nan norm"}[clipped],
             "forward_origin": _layer(names[outputs[0]]) if outputs else None,
             "sources": [{"tensor": names[t], "row": t, "kind": run.tensor_kinds[t], "inf": int(inf[t]),
                          "nan": int(nan[t]), "nearest_loss": t == nearest, "spread": _spread_of(t, sources, bad, names),
+                         "clipped": clipped == CLIPPED_INF and run.tensor_kinds[t] == "weight",
                          "next_module": _next_module(facts, t, order)} for t in sources]}
 
 
@@ -147,6 +159,8 @@ def _source_cause(facts: Facts, src: dict) -> str:
         return "forward"            # the loss's own backward gave nan: the loss or the output was not finite
     if not facts.has_scaler or (src["nan"] and not src["inf"]):
         return "not the loss scale"
+    if src["clipped"]:              # the clip erased its finite values (and shrank its neighbours'): no evidence
+        return "loss scale"         # against the ordinary explanation of an inf at a scaled step
     return "loss scale" if src["edge_gap"] <= 0 else "not the loss scale"
 
 
@@ -191,6 +205,7 @@ def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
         if applied:
             details.append(f"the optimizer applied these steps (no GradScaler skipped them): {steps_text(applied)}; "
                            f"the weights may now hold inf/nan")
+        details += clip_lines(entries)
         if not first["order_recorded"]:
             details.append("backward order not recorded in this run: guessed from the module order")
         out.append(finding(
@@ -223,6 +238,23 @@ def _step_line(facts: Facts, e: dict) -> str:
             f"{'skipped' if e['skipped'] else 'applied'}): {e['origin']} holds "
             f"{_inf_nan(e['origin_inf'], e['origin_nan'])}" + (f", then {names_text(spread, 4)}" if spread else "")
             + f"; {reach}, {facts.grad_format.name} overflows from 2^{facts.grad_format.emax + 1}")
+
+
+CLIP_TEXT = {"inf norm": "every weight gradient holds only nan and zeros, as clip_grad_norm_ leaves them after an "
+                         "infinite total norm (inf x 0 = nan, finite x 0 = 0), or an overflow that reached every "
+                         "weight: their nan are read as the inf they were",
+             "nan norm": "every weight gradient is nan (clip_grad_norm_ after a nan total norm, or a nan that "
+                         "reached every weight): they do not tell where it started; the activation gradients, "
+                         "recorded in the backward before any clip, do"}
+
+
+def clip_lines(entries) -> list[str]:
+    """One line per way clipping rewrote the weight gradients of these steps (``CLIP_TEXT``), with the steps."""
+    by = {}
+    for e in entries:
+        if e.get("clipped"):
+            by.setdefault(e["clipped"], []).append(e["step"])
+    return [f"steps {steps_text(sorted(set(steps)))}: {CLIP_TEXT[how]}" for how, steps in by.items()]
 
 
 def _origin_advice(e: dict) -> str:

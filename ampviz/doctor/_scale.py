@@ -11,7 +11,8 @@ import numpy as np
 
 from ..gradient_trace import policy_from_run, trace_from_run
 from ..scaler import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, replay
-from ._facts import Facts, finding, scale_text, steps_text
+from ._facts import Facts, best_static_log2, finding, scale_text, steps_text
+from ._nonfinite import clip_lines
 
 COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse
 FREQUENT_MIN = 3           # loss-scale overflows after the start before frequent_skips can be reported
@@ -45,6 +46,10 @@ class _Scales:
             steady[a:b] = False
         self.steady = steady
         self._trace = None
+
+    def clip_lines(self, positions) -> list[str]:
+        """How clipping rewrote the weight gradients of the steps at these positions (evidence read as such)."""
+        return clip_lines(self.cause[s] for s in self.run.steps[list(positions)].tolist() if s in self.cause)
 
     def _cause(self, p: int) -> str:
         e = self.cause.get(int(self.run.steps[p]))
@@ -86,11 +91,7 @@ class _Scales:
 
     def best_static(self) -> int | None:
         """log2 of the largest static scale at which no clean recorded step overflows (None: no clean step)."""
-        clean = self.trace[np.isfinite(self.trace) & (self.trace > 0)]
-        if not clean.size:
-            return None
-        # trace values are binades' lower edges 2**k; k + s <= emax never overflows
-        return int(self.facts.grad_format.emax - math.floor(math.log2(clean.max())))
+        return best_static_log2(self.trace, self.facts.grad_format)
 
     def alternatives(self, slower_growth: bool = True) -> dict:
         """Other scalers to replay: as recorded, (growing 4x less often,) DeepSpeed, Megatron, best static."""
@@ -156,7 +157,7 @@ def _init_finding(sc: _Scales) -> dict:
         evidence={"skipped_at_start": n, "init_scale": float(sc.scale[0]), "settled_scale": settled,
                   "replays": rep},
         details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}",
-                 *_replay_lines(rep, n), _REPLAY_CAVEAT],
+                 *sc.clip_lines(range(a, b)), *_replay_lines(rep, n), _REPLAY_CAVEAT],
         recommendation=f"Harmless: GradScaler backs off on every overflow, so this costs {n} optimizer step"
                        f"{'s' if n > 1 else ''} once. To avoid them, start lower: GradScaler(device, "
                        f"init_scale={_python_number(settled)}). Don't mistake them for instability, and step the "
@@ -222,7 +223,7 @@ def _frequent_finding(sc: _Scales):
         steps=steps, ranks=[run.ranks[0]],
         evidence={"skipped": len(counted), "steady_steps": n_steady, "growth_interval": g, "allowed": allowed,
                   "replays": rep},
-        details=[f"skipped steps: {steps_text(steps)}"] + [
+        details=[f"skipped steps: {steps_text(steps)}", *sc.clip_lines(counted)] + [
             f"replay, {k}: {v['skipped']} skipped on these {n_steady} steps" + (
                 f"; stops the run at step {v['crashed_at']}" if v["crashed_at"] is not None else "")
             for k, v in rep.items()] + [_REPLAY_CAVEAT],
