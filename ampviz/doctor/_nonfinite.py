@@ -180,25 +180,37 @@ def _cause(e: dict, bad_loss: bool, h) -> str:
 
 # ---------------------------------------------------------------------------------------- findings
 def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
-    """One error per origin tensor of the non-finite gradients that the loss scale does not explain."""
+    """One error per module whose backward made non-finite gradients that the loss scale does not explain, named
+    by the first tensor that held them (a layer's output gradient before its weights': it carries them on)."""
     groups = {}
     for e in causes:
+        if e["cause"] == "forward":
+            continue
+        made = {}
         for src in e["sources"]:
-            if src["cause"] == "not the loss scale" and e["cause"] != "forward":
-                groups.setdefault(src["tensor"], []).append(dict(e, origin=src["tensor"], origin_kind=src["kind"],
-                                                                 origin_inf=src["inf"], origin_nan=src["nan"],
-                                                                 next_module=src["next_module"],
-                                                                 edge_gap=src["edge_gap"], spread=src["spread"]))
+            if src["cause"] == "not the loss scale":
+                made.setdefault(_made_in(src), []).append(src)
+        for srcs in made.values():
+            src = min(srcs, key=lambda x: x["kind"] != "activation")
+            also = [x["tensor"] for x in srcs if x is not src]
+            groups.setdefault(_made_in(src), []).append(dict(
+                e, origin=src["tensor"], origin_kind=src["kind"], origin_inf=src["inf"], origin_nan=src["nan"],
+                next_module=src["next_module"], edge_gap=src["edge_gap"], also=also,
+                spread=list(dict.fromkeys(n for x in srcs for n in x["spread"] if n not in also))))
     out = []
-    for origin, entries in groups.items():
+    for entries in groups.values():
         first = entries[0]
+        origin = first["origin"]
         steps = sorted({e["step"] for e in entries})
-        spread = list(dict.fromkeys(n for e in entries for n in e["spread"]))
+        also = list(dict.fromkeys(n for e in entries for n in e["also"]))
+        spread = list(dict.fromkeys(n for e in entries for n in e["spread"] if n not in also))
         kind = "gradient of its output" if first["origin_kind"] == "activation" else "weight gradient"
         what = _inf_nan(first["origin_inf"], first["origin_nan"])
         applied = [e["step"] for e in entries if not e["skipped"]]
-        summary = (f"non-finite gradients start at {origin} ({kind}: {what}) at {_n_steps(steps)}; not caused by "
-                   f"the loss scale" + (f"; spread to {len(spread)} more tensors" if spread else ""))
+        summary = (f"non-finite gradients start at {origin} ({kind}: {what})"
+                   + (f" and, in the same backward, {names_text(also, 3)}" if also else "")
+                   + f" at {_n_steps(steps)}; not caused by the loss scale"
+                   + (f"; spread to {len(spread)} more tensors" if spread else ""))
         details = [_step_line(facts, e) for e in entries[:3]]
         if len(entries) > 3:
             details.append(f"... and {len(entries) - 3} more steps: {steps_text(steps[3:])}")
@@ -209,14 +221,22 @@ def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
         if not first["order_recorded"]:
             details.append("backward order not recorded in this run: guessed from the module order")
         out.append(finding(
-            "nonfinite_gradient", "error", summary, steps=steps, tensors=[origin] + spread,
+            "nonfinite_gradient", "error", summary, steps=steps, tensors=[origin] + also + spread,
             ranks=sorted({e["rank"] for e in entries}), details=details,
             evidence={"origin": origin, "origin_kind": first["origin_kind"], "steps": steps,
                       "per_step": [{k: e[k] for k in ("step", "rank", "skipped", "loss_scale", "inf", "nan",
                                                       "edge_gap")} for e in entries[:20]],
-                      "applied_steps": applied, "next_module": first.get("next_module")},
+                      "applied_steps": applied, "next_module": first.get("next_module"), "same_backward": also},
             recommendation=_origin_advice(first)))
     return out
+
+
+def _made_in(src: dict) -> str:
+    """The module whose backward made a source's non-finite values: a weight gradient's own module; for the
+    gradient of a module's output, the recorded module after it (its backward, or the ops in between)."""
+    if src["kind"] == "activation":
+        return src["next_module"] or ""
+    return src["tensor"].removesuffix(" [local]").rsplit(".", 1)[0]
 
 
 def _n_steps(steps) -> str:

@@ -15,6 +15,7 @@ from ._facts import Facts, best_static_log2, finding, scale_text, steps_text
 from ._nonfinite import clip_lines
 
 COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse
+SETTLE_GAP = 4              # clean steps after which a too-high init_scale has settled (fewer: still backing off)
 FREQUENT_MIN = 3           # loss-scale overflows after the start before frequent_skips can be reported
 UNBOUNDED_LOG2 = 40         # a loss scale of 2**40 or more: every gradient is below 2**-24, fp16's smallest
 
@@ -35,17 +36,32 @@ class _Scales:
         self.cause = {e["step"]: e for e in causes if e["rank"] == run.ranks[0]}
         self.policy = policy_from_run(run)
         runs = streaks(self.skipped)
-        self.burst = None
-        if runs and runs[0][0] == 0 and runs[0][1] < run.n_steps and self.next[runs[0][1] - 1] >= 1 and all(
-                self._by_scale(p) for p in range(*runs[0])):
-            self.burst = runs[0]
-        self.collapses = [s for s in runs if s != self.burst and (s[1] - s[0] >= COLLAPSE_STREAK
-                                                                 or self.next[s[0]:s[1]].min() < 1)]
+        self.burst = self._backing_off(runs)
+        after = self.burst[1] if self.burst else 0
+        self.collapses = [s for s in runs if s[0] >= after and (s[1] - s[0] >= COLLAPSE_STREAK
+                                                               or self.next[s[0]:s[1]].min() < 1)]
         steady = np.ones(run.n_steps, dtype=bool)
         for a, b in ([self.burst] if self.burst else []) + self.collapses:
             steady[a:b] = False
         self.steady = steady
         self._trace = None
+
+    def _backing_off(self, runs: list):
+        """(0, stop): the start of a run whose first step was skipped, until the scale settled: the skips (all by
+        the scale) before the scale first grew, each fewer than SETTLE_GAP clean steps after the previous one (the
+        gradients fluctuate around fp16's edge while the scale comes down, so some steps pass on the way)."""
+        if not runs or runs[0][0] != 0:
+            return None
+        grown = self.run.grown[0]
+        stop = runs[0][1]
+        for a, b in runs[1:]:
+            if a - stop >= SETTLE_GAP or grown[stop:a].any():
+                break
+            stop = b
+        skipped = np.flatnonzero(self.skipped[:stop])
+        if stop == self.run.n_steps or self.next[stop - 1] < 1 or not all(self._by_scale(p) for p in skipped):
+            return None
+        return (0, stop)
 
     def clip_lines(self, positions) -> list[str]:
         """How clipping rewrote the weight gradients of the steps at these positions (evidence read as such)."""
@@ -146,18 +162,21 @@ def _init_finding(sc: _Scales) -> dict:
     a, b = sc.burst
     run, p = sc.run, sc.policy
     settled = float(sc.next[b - 1])
-    steps = run.steps[a:b].tolist()
+    skipped = np.flatnonzero(sc.skipped[a:b]) + a
+    steps = run.steps[skipped].tolist()
     rep = sc.replays({f"init_scale {scale_text(settled)}": TorchPolicy(settled, p.growth_factor, p.backoff_factor,
                                                                        p.growth_interval)}, (a, b))
-    n = b - a
+    n = len(steps)
+    which = (f"the first {n} step{'s were' if n > 1 else ' was'}" if n == b - a else
+             f"{n} of the first {b - a} steps were")
     return finding(
-        "init_scale_too_high", "info", f"init_scale {scale_text(sc.scale[0])} is too high: the first {n} step"
-        f"{'s were' if n > 1 else ' was'} skipped while the scale backed off to {scale_text(settled)}; harmless",
-        steps=steps, ranks=[run.ranks[0]],
-        evidence={"skipped_at_start": n, "init_scale": float(sc.scale[0]), "settled_scale": settled,
-                  "replays": rep},
-        details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}",
-                 *sc.clip_lines(range(a, b)), *_replay_lines(rep, n), _REPLAY_CAVEAT],
+        "init_scale_too_high", "info", f"init_scale {scale_text(sc.scale[0])} is too high: {which} skipped while the "
+        f"scale backed off to {scale_text(settled)}; harmless", steps=steps, ranks=[run.ranks[0]],
+        evidence={"skipped_at_start": n, "backing_off_steps": b - a, "init_scale": float(sc.scale[0]),
+                  "settled_scale": settled, "replays": rep},
+        details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}"
+                 + ("" if n == b - a else " (the steps between them passed at the scales on the way down)"),
+                 *sc.clip_lines(skipped), *_replay_lines(rep, b - a), _REPLAY_CAVEAT],
         recommendation=f"Harmless: GradScaler backs off on every overflow, so this costs {n} optimizer step"
                        f"{'s' if n > 1 else ''} once. To avoid them, start lower: GradScaler(device, "
                        f"init_scale={_python_number(settled)}). Don't mistake them for instability, and step the "
