@@ -29,10 +29,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ._record_targets import first_tensor, unwrap_optimizer
 
 __all__ = ["Capture"]
+
+_UNSCALED = OptState.UNSCALED
 
 
 class Capture:
@@ -60,6 +63,7 @@ class Capture:
         self.optimizer_steps = self.forwards = 0             # since the last rec.step(), for the misuse checks
         self.total_optimizer_steps = 0
         self.scaler_steps = self.total_scaler_steps = 0      # calls of the watched GradScaler's step()
+        self.unscaled_before_step = False                    # scaler.unscale_(opt) before scaler.step(opt): clipping
         self.traced = False                                  # a hook stood down inside torch.compile's tracing
         self.training_forward = False                        # inside a call of the model with grad enabled
         self._opt_rows: dict = {}
@@ -252,6 +256,9 @@ class ScalerStepWatch:
         @functools.wraps(original)
         def step(optimizer, *args, **kwargs):
             steps_before = capture.total_optimizer_steps
+            state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+            if state is not None and state.get("stage") is _UNSCALED:     # the loop clips (or reads) the gradients
+                capture.unscaled_before_step = True
             result = original(optimizer, *args, **kwargs)
             if self.installed:
                 capture._on_scaler_step(optimizer, steps_before)

@@ -369,5 +369,8 @@ class Recorder:
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
+                # the loop called scaler.unscale_(opt) before scaler.step(opt) (to clip): the doctor reads clipped
+                # weight gradients of skipped steps as such only then
+                "unscaled_before_step": None if sc is None else self._capture.unscaled_before_step,
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
                 "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start}}

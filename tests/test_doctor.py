@@ -194,9 +194,12 @@ def test_too_high_init_scale_is_reported_with_the_number_of_skipped_steps():
     assert burst > 5
     d = run.diagnose()
     f = only(d, "init_scale_too_high")
-    assert f["severity"] == "info" and f["evidence"]["skipped_at_start"] == burst
-    assert f["steps"] == list(range(burst))
-    assert f["evidence"]["settled_scale"] == run.next_scale[0, burst - 1]
+    # the back-off: the leading skips and those fewer than SETTLE_GAP clean steps after them, the scale never grown
+    span = f["evidence"]["backing_off_steps"]
+    assert span >= burst and not any(seen["skipped"][span:span + 4]) and seen["skipped"][span - 1]
+    assert f["severity"] == "info" and f["evidence"]["skipped_at_start"] == sum(seen["skipped"][:span])
+    assert f["steps"] == np.flatnonzero(seen["skipped"][:span]).tolist() and f["steps"][:burst] == list(range(burst))
+    assert f["evidence"]["settled_scale"] == run.next_scale[0, span - 1]
     assert "harmless" in f["summary"].lower()
     assert f"init_scale=2.0**{int(np.log2(f['evidence']['settled_scale']))})" in f["recommendation"]
     replayed = next(iter(f["evidence"]["replays"].values()))
@@ -235,10 +238,12 @@ def test_skips_more_frequent_than_the_growth_interval_allows():
     """The loss doubles every 4 steps: each doubling overflows once more than GradScaler's probes would."""
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 20, growth_interval=1000), steps=40,
                       loss_mul=lambda step: 2.0 ** (step // 4))
-    burst = leading_run(seen["skipped"])
+    d = run.diagnose()
+    burst = only(d, "init_scale_too_high")["evidence"]["backing_off_steps"]   # the skips while init_scale came down
+    assert burst >= leading_run(seen["skipped"])
     later = int(np.sum(seen["skipped"][burst:]))
     assert later >= 5
-    f = only(run.diagnose(), "frequent_skips")
+    f = only(d, "frequent_skips")
     assert f["evidence"]["skipped"] == later > 2 * f["evidence"]["allowed"] and f["evidence"]["allowed"] == 1
     assert f["steps"] == (np.flatnonzero(seen["skipped"][burst:]) + burst).tolist()
 
@@ -466,7 +471,8 @@ def test_runs_with_no_steps_no_tensors_or_sparse_histograms_still_get_a_diagnosi
     assert rec.run.diagnose()["clean"]
     # no tensors recorded: the scale trace alone still gives the init_scale finding, counted right
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=25, weights=False, activations=False)
-    assert only(run.diagnose(), "init_scale_too_high")["evidence"]["skipped_at_start"] == leading_run(seen["skipped"])
+    f = only(run.diagnose(), "init_scale_too_high")
+    assert f["evidence"]["skipped_at_start"] == sum(seen["skipped"][:f["evidence"]["backing_off_steps"]]) > 5
     # histograms every 3 steps: skipped steps between them are said to be unexplained, not ignored
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=25, every=3)
     note = [c for c in run.diagnose()["checks"] if c["check"] == "causes of all skipped steps"]

@@ -163,11 +163,14 @@ class Facts:
         a step whose gradients were not finite (``scaler.unscale_(opt); clip_grad_norm_(...)``, Lightning's
         ``gradient_clip_val``, HF Trainer's ``max_grad_norm``): ``CLIPPED_INF`` (the total norm was inf: every
         gradient multiplied by 0, inf became nan and finite values 0) or ``CLIPPED_NAN`` (the norm was nan: every
-        value became nan). Read from the weight rows: no finite non-zero value left, some nan, no inf."""
+        value became nan). Read from the weight rows: no finite non-zero value left, some nan, no inf; never for
+        a GradScaler run whose loop did not call ``scaler.unscale_`` before ``scaler.step``
+        (``meta["unscaled_before_step"]``)."""
         key = ("clipped", r)
         if key not in self._cache:
             out = np.zeros(self.run.hist_steps.size, dtype=np.int8)
-            if self.weight_rows:
+            # a GradScaler run whose loop never unscaled before scaler.step did not clip unscaled gradients
+            if self.weight_rows and self.run.meta.get("unscaled_before_step") is not False:
                 c = self.run.counts[r][:, self.weight_rows]                       # (H, W, NBINS)
                 finite = c[:, :, H.BELOW:H.ABOVE].sum(axis=(1, 2))
                 hit = (finite == 0) & (c[:, :, H.ABOVE].sum(axis=1) == 0) & (c[:, :, H.NAN].sum(axis=1) > 0)

@@ -326,10 +326,19 @@ def scheduler_findings(facts: Facts) -> list[dict]:
                   "scheduler_last_epoch": int(last_epoch[-1]), "scheduler_start": start},
         details=[f"scheduler advanced on skipped steps {steps_text(steps)}",
                  f"after {run.n_steps} steps: {taken} optimizer updates, scheduler last_epoch {int(last_epoch[-1])}"],
-        recommendation="Step the scheduler only when the optimizer stepped: `before = scaler.get_scale(); "
-                       "scaler.update(); if scaler.get_scale() >= before: scheduler.step()` (a host sync, as "
-                       "accelerate's optimizer_step_was_skipped does for HF's Trainer). Lightning steps schedulers "
-                       "on skipped steps (Lightning#16228, #18828). A few skips at the start only delay warm-up.")]
+        recommendation=SCHEDULER_ADVICE)]
+
+
+SCHEDULER_ADVICE = (
+    "Step the scheduler only on steps the optimizer took: `before = scaler.get_scale(); scaler.update(); if "
+    "scaler.get_scale() >= before: scheduler.step()` (get_scale() waits for the device, but GradScaler.step already "
+    "waits once per step for its inf check, torch 2.13, so this adds little). Each skipped step the scheduler takes "
+    "puts the schedule one step ahead of the optimizer: warm-up ends early and the first updates get a larger "
+    "learning rate than planned, by the skips' share of the warm-up. Counting only real steps, a schedule sized to "
+    "the loop's steps does not reach its end when steps were skipped. HF's Trainer skips the scheduler when "
+    "accelerate's optimizer_step_was_skipped is set (accelerate 1.15 sets it when GradScaler did not call the "
+    "optimizer's step; a fused optimizer, HF's default adamw_torch_fused, is always called, so it never is); "
+    "Lightning steps schedulers on skipped steps (Lightning#16228, #18828).")
 
 
 def _scheduler_start(run, last_epoch: np.ndarray):
