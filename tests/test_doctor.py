@@ -478,3 +478,100 @@ def test_runs_with_no_steps_no_tensors_or_sparse_histograms_still_get_a_diagnosi
     note = [c for c in run.diagnose()["checks"] if c["check"] == "causes of all skipped steps"]
     assert note and not note[0]["ran"] and "every=1" in note[0]["why"]
     assert str(sum(s for i, s in enumerate(seen["skipped"]) if i % 3)) in note[0]["why"]
+
+
+# ---------------------------------------------------------------------------------------- issue 17
+def clipped_run(clip, init_scale=2.0 ** 24, steps=12, poison_at=(), **kw):
+    """The issue's MLP: init_scale 2**24, 12 steps, with or without ``scaler.unscale_(opt); clip(...)``."""
+    model = mlp(poison_after=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    gen = torch.Generator().manual_seed(1)
+    with ampviz.Recorder(model, opt, scaler=scaler, **kw) as rec:
+        for step in range(steps):
+            model.poison.value = float("nan") if step in poison_at else None
+            x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+            with torch.autocast("cpu", dtype=FP16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                clip(model.parameters())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            rec.step(loss)
+    return rec.run
+
+
+CLIPS = {"clip_grad_norm_": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
+         "clip_grad_value_": lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.5)}
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_a_clipped_loop_overflowing_its_scale_is_an_ordinary_overflow_as_without_clipping(clip):
+    """Clipping after unscale_ multiplies every gradient by 0 when the norm is inf: inf became nan, and the doctor
+    blamed the model with 3 errors (issue 17, item 2). The same findings as without clipping, with the evidence."""
+    plain, clipped = clipped_run(None), clipped_run(CLIPS[clip])
+    assert clipped.skipped[0].sum() >= 3
+    expected = [(f["check"], f["steps"]) for f in plain.diagnose()["findings"]]
+    d = clipped.diagnose()
+    assert [(f["check"], f["steps"]) for f in d["findings"]] == expected == [("init_scale_too_high", expected[0][1])]
+    assert clipped.meta["unscaled_before_step"] and not plain.meta["unscaled_before_step"]
+    assert {e["cause"] for e in d["nonfinite_steps"] if e["skipped"]} <= {"loss scale", "unknown"}
+    if clip == "clip_grad_norm_":
+        line = " ".join(d["findings"][0]["details"])
+        assert "clip_grad_norm_" in line and "their nan are read as the inf they were" in line
+
+
+def test_a_nan_made_in_the_backward_of_a_clipped_loop_is_still_named_by_its_layer():
+    """A nan norm makes every weight gradient nan after the clip: the activation gradients, recorded before it,
+    still name the layer; the weights do not each become an origin."""
+    d = clipped_run(CLIPS["clip_grad_norm_"], init_scale=2.0 ** 10, poison_at={8}).diagnose()
+    f = only(d, "nonfinite_gradient")
+    assert f["evidence"]["origin"] == "fc1" and f["steps"] == [8]
+    assert any("nan total norm" in line for line in f["details"])
+
+
+def test_gradient_rows_that_never_filled_are_named_in_the_checks():
+    """A watched module the loop never calls, and outputs=True rows that stay empty, are said (issue 17, item 3)."""
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.unused = mlp(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.net(x)
+    run, _ = train(WithUnused(), scaler_kw=dict(init_scale=2.0 ** 10), steps=3, outputs=["unused"])
+    checks = {c["check"]: c for c in run.diagnose()["checks"]}
+    assert checks["forward overflow (loss only)"]["ran"]
+    assert checks["forward overflow (loss only)"]["why"] == "1 of its 1 rows never filled: unused [output]"
+    assert checks["non-finite gradients"]["why"].startswith("3 of its ")
+    assert "unused.weight, unused.bias, unused" in checks["non-finite gradients"]["why"]
+    text = as_text(run.diagnose(), width=0)
+    assert "forward overflow (loss only) (1 of its 1 rows never filled: unused [output])" in text
+
+
+def test_text_wraps_at_word_boundaries_and_the_headline_counts_right():
+    run, seen = train(mlp(), steps=60, scaler_kw=dict(init_scale=2.0 ** 10, growth_interval=3))
+    d = run.diagnose()
+    one = dict(d, nonfinite_steps=[e for e in d["nonfinite_steps"] if e["skipped"]][:1])
+    assert as_text(one).splitlines()[0] == "run: clean: no findings; its 1 skipped step was an ordinary loss-scale overflow"
+    bad, _ = train(mlp(poison_after=1), scaler_kw=dict(init_scale=2.0 ** 40), poison_at={20}, steps=26)
+    d = bad.diagnose()
+    words = set(" ".join(as_text(d, width=0).split()).split())
+    for width in (40, 72, 100):
+        lines = as_text(d, width=width).splitlines()
+        assert max(len(line) for line in lines if " " in line.strip()) <= width
+        assert set(" ".join(lines).split()) == words                     # no word broken in two
+    assert all(len(line) > 100 for line in as_text(d, width=0).splitlines()[1:3])
+
+
+def test_the_scheduler_advice_says_what_accelerate_checks_and_which_way_warm_up_goes():
+    lam = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: min(1.0, (e + 1) / 10))  # noqa: E731
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        run, _ = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 30), scheduler=lam, steps=24)
+    advice = only(run.diagnose(), "scheduler_on_skipped")["recommendation"]
+    assert "compares" not in advice and "delay warm-up" not in advice                         # the old claims
+    assert "accelerate 1.15 sets it when GradScaler did not call the optimizer's step" in advice
+    assert "warm-up ends early" in advice and "GradScaler.step already waits once per step" in advice
