@@ -22,19 +22,26 @@ What is stored, and in which domain:
   accumulated micro-batch, after DDP's all-reduce, after any clipping); with ``step(closure)``
   (LBFGS, SAM, Lightning without a scaler) once the closure's first call has run the backward.
   A step the scaler skips never reaches the optimizer (a fused one's step runs and skips inside: counted
-  in the pre-hook as above); its gradients (unscaled in place by
-  ``scaler.step``, containing the inf/nan) are read at ``rec.step()`` from references kept when
-  autograd last accumulated them, so zeroing with ``set_to_none=True`` before ``rec.step()`` is fine.
+  in the pre-hook as above); its gradients (unscaled in place by ``scaler.step``, containing the inf/nan)
+  are counted when the given scaler's ``step`` returns, before the loop can zero them, also in place
+  (``zero_grad(set_to_none=False)``); a loop that skips by itself has them read at ``rec.step()``.
   Under FSDP2 each rank counts its shard: the ranks' counts add up to the full gradient's.
 * activation gradients, the gradient w.r.t. each chosen module's output, **scaled**: exactly as
   the backward computed them (in fp16 under fp16 autocast, multiplied by the loss scale).
   Micro-batches of one step add up.
 * forward outputs (``outputs=``, off by default), in the dtype autocast produced, **unscaled**
   (the loss scale never reaches the forward): where a forward overflow shows. Forwards under
-  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted.
+  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted; a reentrant checkpoint's
+  forward, which runs under ``no_grad`` inside a training call of the model, is.
 * per step: the loss you pass, the loss scale the step used, the scale after ``update()``,
   whether the step was skipped (the scale went down), and the LR scheduler's ``last_epoch``;
   per recorded step the order in which each gradient was counted in the step's first backward.
+
+The GradScaler's ``step`` is wrapped on the instance while recording (put back on exit): it is how a
+skipped step's gradients are counted in time, and how a scaler the loop never uses is noticed (a warning).
+Under torch.compile give the Recorder the compiled model: hooks that find themselves traced by a compile it
+was not told about (the loop calls ``torch.compile(model)``, or the model was compiled after ``Recorder(...)``)
+stand down, so training is unchanged, and the next ``rec.step()`` says that activations are not recorded.
 
 Cost: keys and counts stay on the device; there is no host sync per tensor. The counts are
 copied to the host once every ``flush_every`` recorded steps. Host memory stays within
@@ -94,7 +101,8 @@ class Recorder:
         regex on module names, a list of names, or a callable ``(name, module) -> bool``. A module's output
         may be a tensor, or a tuple, list, dict or ``ModelOutput``: its first floating-point tensor counts.
         Under ``torch.compile`` activation capture is off (a hook would add graph breaks and change
-        training): the default says so in a warning, an explicit choice is an error.
+        training): ``True`` (the default) records none and says so in a warning; naming modules (a regex,
+        list or callable) is an error, as is any ``outputs=`` choice.
     outputs : record forward outputs (kind "output", rows named ``"<module> [output]"``): True (the modules
         ``activations=True`` picks), False (default), or a regex / list / callable as for ``activations``.
     local_weights : under DDP, also record each rank's *local* weight gradients, before the

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 from ..run import Run
 from ._facts import SEVERITIES, Facts, plain
-from ._nonfinite import CAUSES, forward_findings, nonfinite_findings, step_causes
+from ._forward import forward_findings
+from ._nonfinite import CAUSES, nonfinite_findings, step_causes
 from ._render import as_html, as_text, headline
-from ._scale import rank_findings, scale_findings, scheduler_findings
+from ._scale import rank_findings, scale_findings
+from ._scheduler import scheduler_findings
 from ._switch import switch_table
 from ._underflow import flushed_in_backward as _flushed_in_backward
 from ._underflow import underflow_findings
