@@ -70,13 +70,15 @@ class Capture:
         self.new_step()
 
     # ------------------------------------------------------------------ install / remove
-    def install(self, root, optimizer, global_hook, scaler=None) -> None:
-        """Register every hook (append each handle as soon as it exists, so a failure can remove them)."""
+    def install(self, root, optimizer, global_hook, scaler=None, skip=frozenset()) -> None:
+        """Register every hook (append each handle as soon as it exists, so a failure can remove them); none on the
+        watched modules whose ids are in ``skip``."""
         if root is not None:
             self.handles.append(root.register_forward_pre_hook(self._on_model_forward))
             self.handles.append(root.register_forward_hook(self._on_model_forward_end, always_call=True))
-        for m, act, out in self.watched.values():
-            self.handles.append(m.register_forward_hook(functools.partial(self._on_forward, act, out)))
+        for key, (m, act, out) in self.watched.items():
+            if key not in skip:
+                self.handles.append(m.register_forward_hook(functools.partial(self._on_forward, act, out)))
         for i, (_, p) in enumerate(self.params):
             self.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_accumulated, i)))
         if optimizer is not None:

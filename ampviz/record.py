@@ -40,8 +40,9 @@ What is stored, and in which domain:
 The GradScaler's ``step`` is wrapped on the instance while recording (put back on exit): it is how a
 skipped step's gradients are counted in time, and how a scaler the loop never uses is noticed (a warning).
 Under torch.compile give the Recorder the compiled model: hooks that find themselves traced by a compile it
-was not told about (the loop calls ``torch.compile(model)``, or the model was compiled after ``Recorder(...)``)
-stand down, so training is unchanged, and the next ``rec.step()`` says that activations are not recorded.
+was not told about (the loop calls ``torch.compile(model)``) stand down, so training is unchanged, and the next
+``rec.step()`` says that activations are not recorded; modules compiled in place after ``Recorder(...)`` was
+made get no hook at ``with recorder:`` (a warning).
 
 Cost: keys and counts stay on the device; there is no host sync per tensor. The counts are
 copied to the host once every ``flush_every`` recorded steps. Host memory stays within
@@ -307,18 +308,32 @@ class Recorder:
                                 stacklevel=6)
         self._capture = Capture(self._params, self._activations, self._outputs, self._local, self._counter,
                                 self._ddp)
+        late = self._compiled_since()
         self._counter.target = self._store.slot()
         self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params),
-                                  watched=len(self._capture.watched))
+                                  watched=len(set(self._capture.watched) - late))
         self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
         self._created = time.time()
         # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
         root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
-        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler)
+        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler, skip=late)
         if self.path is not None:
             self._term.install()
+
+    def _compiled_since(self) -> set:
+        """ids of watched modules compiled after Recorder(...) was made (``model.compile()``): no hook goes on them,
+        since even a hook that does nothing changes how torch.compile splits an in-place compiled module's graph."""
+        late = {i for i in compiled_modules(self.model) if i in self._capture.watched}
+        if late and self.enabled:
+            names = [n for n, m in self._activations + self._outputs if id(m) in late]
+            warnings.warn(f"Recorder: the model was compiled after Recorder(...) was made, so {len(late)} watched "
+                          f"modules now run under torch.compile ({', '.join(list(dict.fromkeys(names))[:3])}): a hook "
+                          f"on them would change the compiled graph and training, so their activation gradients and "
+                          f"outputs are not recorded (weight gradients are). Make the Recorder once the model is "
+                          f"compiled, with activations=False.", AmpvizWarning, stacklevel=4)
+        return late
 
     def _model_changes(self) -> list:
         modules = dict(self._activations + self._outputs)

@@ -130,8 +130,11 @@ def test_hooks_traced_by_a_compile_the_recorder_was_not_told_about_stand_down_an
     inside the compiled graph, graph breaks went from 0 to 7 and the final weights changed (issue 17, item 6).
     They stand down (no graph break, the same weights) and the first rec.step() says so."""
     base, base_breaks, _ = train_compiled_out_of_sight(False, how)
-    with pytest.warns(AmpvizWarning, match=r"ran under torch.compile without the Recorder being given the compiled "
-                                           r"model.*stood down") as caught:
+    said = {"wrapper": r"ran under torch.compile without the Recorder being given the compiled model.*stood down",
+            # compiled in place before `with rec:` is seen there: no hook goes on (even one doing nothing changes
+            # how torch.compile splits an in-place compiled module's graph)
+            "after": r"the model was compiled after Recorder\(...\) was made, so 3 watched modules"}[how]
+    with pytest.warns(AmpvizWarning, match=said) as caught:
         weights, breaks, rec = train_compiled_out_of_sight(True, how, outputs=True)
     assert len([w for w in caught if issubclass(w.category, AmpvizWarning)]) == 1
     assert breaks == base_breaks == 0
@@ -142,4 +145,4 @@ def test_hooks_traced_by_a_compile_the_recorder_was_not_told_about_stand_down_an
     assert (run.counts[0][:, weights_rows].sum(axis=-1) == [p.numel() for p in build().parameters()]).all()
     assert run.counts[0][:, others].sum() == 0               # nothing counted inside the graph
     forward = next(c for c in run.diagnose()["checks"] if c["check"].startswith("forward overflow"))
-    assert forward["check"] == "forward overflow (loss only)" and "4 of its 4 rows never filled" in forward["why"]
+    assert forward["check"] == "forward overflow (loss only)" and "3 of its 3 rows never filled" in forward["why"]
