@@ -108,8 +108,9 @@ class StepChecks:
     GradScaler's per-optimizer stages, which ``update()`` replaces with a fresh dict, and the counters the hooks
     keep (``_record_hooks.Capture``)."""
 
-    def __init__(self, scaler, sees_optimizer_steps: bool, watched: int = 0):
+    def __init__(self, scaler, sees_optimizer_steps: bool, watched: int = 0, compiled: bool = False):
         self.scaler, self.sees_optimizer_steps, self.watched = scaler, sees_optimizer_steps, watched
+        self.compiled = compiled            # the Recorder knows the model runs compiled (and said so already)
         self.states = self._states()
         self.warned: set = set()
 
@@ -150,7 +151,7 @@ class StepChecks:
                 f"the Recorder the GradScaler whose scale(loss).backward() and step(optimizer) the loop calls.")
 
     def _hooks_ran(self, capture) -> None:
-        if capture.traced:
+        if capture.traced and not self.compiled:
             self._warn("traced", "Recorder: the model ran under torch.compile without the Recorder being given the "
                        "compiled model (Recorder(model) while the loop calls torch.compile(model), or the model was "
                        "compiled after Recorder(...) was made): the hooks on its modules found themselves traced and "

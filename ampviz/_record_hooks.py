@@ -30,12 +30,14 @@ import functools
 
 import torch
 from torch.amp.grad_scaler import OptState
+from torch.compiler import is_compiling as _traced
 
 from ._record_targets import first_tensor, unwrap_optimizer
 
 __all__ = ["Capture"]
 
 _UNSCALED = OptState.UNSCALED
+# _traced(): True while torch.compile traces the caller (bound once: the hooks call it on every forward)
 
 
 class Capture:
@@ -125,7 +127,7 @@ class Capture:
             self.next_order += 1
 
     def _on_model_forward(self, module, inputs):
-        if torch.compiler.is_compiling():                    # traced: stand down (nothing enters the graph)
+        if _traced():                    # traced: stand down (nothing enters the graph)
             self.traced = True
             return
         self.training_forward = torch.is_grad_enabled()
@@ -135,11 +137,11 @@ class Capture:
                 self.ordering = False
 
     def _on_model_forward_end(self, module, inputs, output):
-        if not torch.compiler.is_compiling():
+        if not _traced():
             self.training_forward = False
 
     def _on_forward(self, act_row, out_row, module, inputs, output):
-        if torch.compiler.is_compiling():                    # traced: stand down (nothing enters the graph)
+        if _traced():                    # traced: stand down (nothing enters the graph)
             self.traced = True
             return
         if not self.capturing:

@@ -311,7 +311,8 @@ class Recorder:
         late = self._compiled_since()
         self._counter.target = self._store.slot()
         self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params),
-                                  watched=len(set(self._capture.watched) - late))
+                                  watched=len(set(self._capture.watched) - late),
+                                  compiled=self._compiled_anywhere or bool(late))
         self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
