@@ -552,7 +552,7 @@ def test_gradient_rows_that_never_filled_are_named_in_the_checks():
     assert "forward overflow (loss only) (1 of its 1 rows never filled: unused [output])" in text
 
 
-def test_text_wraps_at_word_boundaries_and_the_headline_counts_right():
+def test_text_wraps_at_word_boundaries_and_the_headline_counts_right(monkeypatch):
     run, seen = train(mlp(), steps=60, scaler_kw=dict(init_scale=2.0 ** 10, growth_interval=3))
     d = run.diagnose()
     one = dict(d, nonfinite_steps=[e for e in d["nonfinite_steps"] if e["skipped"]][:1])
@@ -565,6 +565,9 @@ def test_text_wraps_at_word_boundaries_and_the_headline_counts_right():
         assert max(len(line) for line in lines if " " in line.strip()) <= width
         assert set(" ".join(lines).split()) == words                     # no word broken in two
     assert all(len(line) > 100 for line in as_text(d, width=0).splitlines()[1:3])
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)             # in a notebook: its width, not the terminal's
+    monkeypatch.setenv("COLUMNS", "300")
+    assert max(len(line) for line in as_text(d).splitlines()) <= 88
 
 
 def test_the_scheduler_advice_says_what_accelerate_checks_and_which_way_warm_up_goes():

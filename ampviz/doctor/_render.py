@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import html
 import shutil
+import sys
 import textwrap
 
 from ._facts import percent
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}
-WIDTH = 100                 # the width of text when there is no terminal to measure (a pipe, a notebook)
+WIDTH = 88                  # the width of text where there is no terminal to measure (a pipe, a notebook)
 
 
 def headline(diagnosis: dict) -> str:
@@ -37,10 +38,11 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
     """The diagnosis of one run as lines of text: one line per finding, its evidence indented below it.
 
     ``width``: wrap lines at word boundaries to this many characters, continuation lines indented (default: the
-    terminal's width, ``WIDTH`` where there is none, e.g. in a notebook or a pipe); 0 never wraps.
+    terminal's width; ``WIDTH`` in a notebook, whose output area is not the terminal its kernel started in, and
+    where there is no terminal, e.g. a pipe); 0 never wraps.
     """
     if width is None:
-        width = shutil.get_terminal_size((WIDTH, 24)).columns
+        width = WIDTH if "ipykernel" in sys.modules else shutil.get_terminal_size((WIDTH, 24)).columns
     lines = [(f"{label}: {headline(diagnosis)}", "    ")]
     for f in diagnosis["findings"]:
         lines.append((f"  [{f['severity']}] {f['check']}: {f['summary']}", "      "))
