@@ -53,7 +53,8 @@ def _judged(facts: Facts) -> dict:
     if facts.precision != "fp16" or not run.hist_steps.size:
         return {}
     world = int(run.meta.get("world_size") or 1)
-    reduced = int(np.log2(world)) if world & (world - 1) == 0 else None      # DDP averages: 2**-24 / world
+    # DDP averages the weight gradients: 2**-24 / world (judged only for a power-of-two world of sane size)
+    reduced = int(np.log2(world)) if world & (world - 1) == 0 and world <= 2 ** 20 else None
     out = {}
     for t in facts.grad_rows:
         kind = run.tensor_kinds[t]
