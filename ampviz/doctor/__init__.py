@@ -95,7 +95,8 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
     outputs = facts.output_rows and len(facts.empty_rows(facts.output_rows)) < len(facts.output_rows)
     rows = [("non-finite gradients", run.hist_steps.size > 0, "no histograms recorded", facts.grad_rows),
             ("fp16 underflow", facts.precision == "fp16" and run.hist_steps.size > 0 and bool(facts.grad_rows),
-             "not an fp16 run" if facts.precision != "fp16" else "no gradient histograms recorded", facts.grad_rows),
+             f"a {facts.precision} run by its recorded dtypes (no fp16 activation gradient or output, no GradScaler)"
+             if facts.precision != "fp16" else "no gradient histograms recorded", facts.grad_rows),
             ("forward overflow" if outputs else "forward overflow (loss only)", True,
              "", facts.output_rows),
             ("loss-scale health", facts.has_scaler, "no GradScaler", []),
