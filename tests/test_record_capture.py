@@ -360,9 +360,10 @@ def test_outputs_inside_a_checkpoint_are_counted_once_per_forward(reentrant):
     with torch.autocast("cpu", dtype=torch.float16):
         h0 = fresh.fc0(batches[0][0])
     np.testing.assert_array_equal(run.histogram(0, "fc0 [output]"), H.histogram(h0).numpy())
-    rows = [t for t, k in enumerate(run.tensor_kinds) if k == "output"]
-    assert (run.counts[0][:, rows].sum(axis=-1) == [[16 * 24, 16 * 24, 16 * 3]] * 3).all()
-    assert run.tensor_dtypes[rows[0]] == "torch.float16"
+    for kind in ("output", "activation"):                 # outputs once; output gradients once (the recomputation's)
+        rows = [t for t, k in enumerate(run.tensor_kinds) if k == kind]
+        assert (run.counts[0][:, rows].sum(axis=-1) == [[16 * 24, 16 * 24, 16 * 3]] * 3).all(), kind
+        assert run.tensor_dtypes[rows[0]] == "torch.float16"
 
 
 def test_zero_grad_without_set_to_none_keeps_a_skipped_steps_inf_and_nan():
