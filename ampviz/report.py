@@ -295,6 +295,7 @@ SMALL_MULTIPLES = 24        # per-tensor panels drawn at most; a run with more t
 
 def _tensor_parts(run: Run, fmt, anchor: str, row: int, log2_scale: int) -> list[str]:
     """Small multiples of every tensor; with more than SMALL_MULTIPLES, a map of all and multiples of the worst."""
+    from .doctor import flushed_in_backward
     from .plots import layer_histograms_figure, tensor_map_figure
     counts, names = run.counts_at(row), run.tensor_names                       # (T, NBINS)
     step = int(run.hist_steps[row])
@@ -305,8 +306,15 @@ def _tensor_parts(run: Run, fmt, anchor: str, row: int, log2_scale: int) -> list
         fate = H.fate(counts, fmt, log2_scale=log2_scale)
         lost = fate.fraction("flushed") + fate.fraction("overflow")            # (T,)
         picked = sorted(np.argsort(-lost, kind="stable")[:SMALL_MULTIPLES].tolist())
+        flushed = [x["tensor"] for x in flushed_in_backward(run) if step in x["steps"]]
         what = (f"the {SMALL_MULTIPLES} that lose the largest share to {fmt.name} (flushed or overflowed)"
-                if lost.max() > 0 else f"none loses a value to {fmt.name}; the first {SMALL_MULTIPLES}")
+                if lost.max() > 0 else
+                f"the {min(len(flushed), SMALL_MULTIPLES)} whose values the fp16 backward had already flushed to "
+                f"exact zeros, then the first others" if flushed else
+                f"none loses a value to {fmt.name}; the first {SMALL_MULTIPLES}")
+        if not lost.max() > 0 and flushed:                 # the recorded values lose nothing more: show the flushed
+            first = [names.index(n) for n in flushed[:SMALL_MULTIPLES]]
+            picked = sorted(first + [t for t in range(len(names)) if t not in first][:SMALL_MULTIPLES - len(first)])
         parts += [_note(f"{len(names)} tensors: one row each in the map (hover for names), then {what}, in "
                         "recording order."), _figure_html(fig, f"{anchor}-tensor-map")]
     fig = layer_histograms_figure(counts[picked], [names[i] for i in picked], fmt, log2_scale,

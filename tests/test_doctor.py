@@ -578,3 +578,17 @@ def test_the_scheduler_advice_says_what_accelerate_checks_and_which_way_warm_up_
     assert "compares" not in advice and "delay warm-up" not in advice                         # the old claims
     assert "accelerate 1.15 sets it when GradScaler did not call the optimizer's step" in advice
     assert "warm-up ends early" in advice and "GradScaler.step already waits once per step" in advice
+
+
+def test_the_report_of_a_flushed_run_with_many_tensors_shows_and_names_the_flushed_ones():
+    """With more than 24 tensors the report draws the worst; a run whose values the fp16 backward flushed loses
+    nothing more at its scale, and was said to lose nothing ("none loses a value to fp16")."""
+    pytest.importorskip("plotly")
+    from ampviz.report import SMALL_MULTIPLES, report_html
+    run, _ = train(mlp(depth=12), steps=3, loss_mul=lambda step: 2.0 ** -16)
+    assert len(run.tensor_names) > SMALL_MULTIPLES
+    d = run.diagnose()
+    assert only(d, "gradient_underflow")["severity"] == "error"
+    section = report_html([run], labels=["flushed"]).split('<h2 id="run0">', 1)[1]
+    assert "none loses a value" not in section and "already flushed to exact zeros" in section
+    assert "[error] gradient_underflow" in section and "flushed to zero 0%" not in section
