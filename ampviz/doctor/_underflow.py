@@ -13,11 +13,13 @@ or from gradients that were) and per step:
 * ``all zeros``: every value zero at a step where other gradients are at the floor (a whole layer flushed).
 
 Steps that hold inf/nan or were skipped are not judged. A tensor flushed on at least ``PERSISTENT`` of its
-judged steps makes the finding an error, on fewer (but ``MIN_STEPS`` or more) a warning. The replays put
-GradScaler's defaults (``ampviz.scaler.replay`` over the run's gradient maxima) and the largest static scale no
-recorded step overflows at in place of the recorded scale: fp16's floor moves down by their log2, and the share
-of the recorded non-zero values that stay subnormal is recounted. The zeros cannot be recounted (their values
-are gone): a replay says down to which magnitude they would have been kept.
+judged steps makes the finding an error, on at least ``OCCASIONAL`` of them (and ``MIN_STEPS``) a warning; fewer
+is no finding (a deep network's gradients touch the floor at a few steps even under a healthy GradScaler).
+
+The replays put GradScaler's defaults (``ampviz.scaler.replay`` over the run's gradient maxima) and the largest
+static scale no recorded step overflows at in place of the recorded scale: fp16's floor moves down by their
+log2, and the share of the recorded non-zero values that stay subnormal is recounted. The zeros cannot be
+recounted (their values are gone): a replay says down to which magnitude they would have been kept.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ._facts import Facts, best_static_log2, finding, percent, scale_text, steps
 
 BULK_SHARE = 0.5        # share of the non-zero values that are subnormal, with the floor populated: "at the floor"
 PERSISTENT = 0.5        # share of a tensor's judged steps at which it is flushed that makes it an error
-MIN_STEPS = 2           # fewer flushed steps than this (and under PERSISTENT) are not a finding
+OCCASIONAL = 0.1        # ... that makes it a warning
+MIN_STEPS = 2           # fewer flushed steps than this are not a finding
 
 _FLOOR = FP16.log2_min_subnormal - 1        # binade (2**-25, 2**-24]: the smallest subnormal, 2**-24
 _NORMAL = FP16.emin                         # binades up to (2**-15, 2**-14] count as subnormal (as H.fate does)
@@ -113,7 +116,7 @@ def _flushed(facts: Facts) -> list[dict]:
 def underflow_findings(facts: Facts) -> list[dict]:
     """At most one finding: the tensors fp16 flushed in the backward, worst first (see the module docstring)."""
     flushed = [x for x in flushed_in_backward(facts)
-               if len(x["steps"]) >= MIN_STEPS or len(x["steps"]) >= PERSISTENT * x["judged_steps"]]
+               if len(x["steps"]) >= MIN_STEPS and len(x["steps"]) >= OCCASIONAL * x["judged_steps"]]
     if not flushed:
         return []
     run = facts.run
@@ -142,7 +145,7 @@ def underflow_findings(facts: Facts) -> list[dict]:
                   "recorded_scale": [lo, hi], "fp16_floor": "2^-24 (smallest subnormal); "
                   "values at or below 2^-25 flush to 0",
                   "replays": {k: {f: v for f, v in r.items() if f != "text"} for k, r in replays.items()}},
-        recommendation=_advice(facts, replays))]
+        recommendation=_advice(facts, replays, int(np.log2(hi))))]
 
 
 def _what(x: dict) -> str:
@@ -207,15 +210,18 @@ def _subnormal_after(facts: Facts, x: dict, shift: np.ndarray, steps: list) -> f
     return float(f.subnormal.sum()) / nonzero if nonzero else 0.0
 
 
-def _advice(facts: Facts, replays: dict) -> str:
+def _advice(facts: Facts, replays: dict, recorded_log2: int) -> str:
     static = next((r for k, r in replays.items() if k.startswith("static")), None)
+    best = static["log2_scale"][0] if static else None
     bf16 = " Or train in bf16: it has fp32's range, so these gradients need no loss scale."
     if not facts.has_scaler:
         return ("Scale the loss: torch.amp.GradScaler(device) starts at 2^16 and grows while no step overflows, "
                 "lifting every gradient of the backward 16 binades or more above fp16's floor"
-                + (f" (a static scale of 2^{static['log2_scale'][0]} overflows no recorded step)" if static else "")
-                + "." + bf16)
+                + (f" (a static scale of 2^{best} overflows no recorded step)" if static else "") + "." + bf16)
+    if best is not None and best <= recorded_log2:
+        return (f"No single loss scale keeps all of these gradients: a scale above 2^{best} overflows some recorded "
+                f"step, yet at 2^{recorded_log2} these still flush; their range is wider than fp16's. Train in bf16 "
+                f"(fp32's range), or run the layers whose gradients flush in fp32.")
     return ("The loss scale stayed too low for these gradients: let GradScaler grow it (growth_factor > 1 and a "
             "growth_interval the run reaches; don't cap it), or start higher"
-            + (f" (init_scale=2.0**{static['log2_scale'][0]} overflows no recorded step)" if static else "")
-            + "." + bf16)
+            + (f" (init_scale=2.0**{best} overflows no recorded step)" if static else "") + "." + bf16)
