@@ -10,7 +10,8 @@ Usage::
 
 ``RUN`` is a run file (``.npz``) or a directory of per-rank run files (one DDP run). Errors
 (a missing or foreign file, a bad argument) print one line starting with ``ampviz: error:`` on
-stderr and exit with a non-zero status, without a traceback::
+stderr and exit with a non-zero status, without a traceback. ``ampviz doctor`` also exits with
+status 1 when a run has a finding of severity "error", so a CI job can fail on it::
 
     $ ampviz demo -o runs/demo --steps 200
     $ ampviz info runs/demo/run.npz
@@ -168,14 +169,16 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
+    """Exit status 1 when a run has a finding of severity "error" (CI can fail on it), else 0."""
     from .doctor import as_text
     runs = [(str(path), _load(Path(path)).diagnose()) for path in args.runs]   # all first: fail before printing
+    errors = any(f["severity"] == "error" for _, d in runs for f in d["findings"])
     if args.json:
         out = dict(runs)
         print(json.dumps(out if len(runs) > 1 else runs[0][1], indent=2, allow_nan=False))
-        return 0
+        return int(errors)
     print("\n\n".join(as_text(diagnosis, path) for path, diagnosis in runs))
-    return 0
+    return int(errors)
 
 
 def _check_output_file(path: Path) -> None:

@@ -22,19 +22,27 @@ What is stored, and in which domain:
   accumulated micro-batch, after DDP's all-reduce, after any clipping); with ``step(closure)``
   (LBFGS, SAM, Lightning without a scaler) once the closure's first call has run the backward.
   A step the scaler skips never reaches the optimizer (a fused one's step runs and skips inside: counted
-  in the pre-hook as above); its gradients (unscaled in place by
-  ``scaler.step``, containing the inf/nan) are read at ``rec.step()`` from references kept when
-  autograd last accumulated them, so zeroing with ``set_to_none=True`` before ``rec.step()`` is fine.
+  in the pre-hook as above); its gradients (unscaled in place by ``scaler.step``, containing the inf/nan)
+  are counted when the given scaler's ``step`` returns, before the loop can zero them, also in place
+  (``zero_grad(set_to_none=False)``); a loop that skips by itself has them read at ``rec.step()``.
   Under FSDP2 each rank counts its shard: the ranks' counts add up to the full gradient's.
 * activation gradients, the gradient w.r.t. each chosen module's output, **scaled**: exactly as
   the backward computed them (in fp16 under fp16 autocast, multiplied by the loss scale).
   Micro-batches of one step add up.
 * forward outputs (``outputs=``, off by default), in the dtype autocast produced, **unscaled**
   (the loss scale never reaches the forward): where a forward overflow shows. Forwards under
-  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted.
+  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted; a reentrant checkpoint's
+  forward, which runs under ``no_grad`` inside a training call of the model, is.
 * per step: the loss you pass, the loss scale the step used, the scale after ``update()``,
   whether the step was skipped (the scale went down), and the LR scheduler's ``last_epoch``;
   per recorded step the order in which each gradient was counted in the step's first backward.
+
+The GradScaler's ``step`` is wrapped on the instance while recording (put back on exit): it is how a
+skipped step's gradients are counted in time, and how a scaler the loop never uses is noticed (a warning).
+Under torch.compile give the Recorder the compiled model: hooks that find themselves traced by a compile it
+was not told about (the loop calls ``torch.compile(model)``) stand down, so training is unchanged, and the next
+``rec.step()`` says that activations are not recorded; modules compiled in place after ``Recorder(...)`` was
+made get no hook at ``with recorder:`` (a warning).
 
 Cost: keys and counts stay on the device; there is no host sync per tensor. The counts are
 copied to the host once every ``flush_every`` recorded steps. Host memory stays within
@@ -94,7 +102,8 @@ class Recorder:
         regex on module names, a list of names, or a callable ``(name, module) -> bool``. A module's output
         may be a tensor, or a tuple, list, dict or ``ModelOutput``: its first floating-point tensor counts.
         Under ``torch.compile`` activation capture is off (a hook would add graph breaks and change
-        training): the default says so in a warning, an explicit choice is an error.
+        training): ``True`` (the default) records none and says so in a warning; naming modules (a regex,
+        list or callable) is an error, as is any ``outputs=`` choice.
     outputs : record forward outputs (kind "output", rows named ``"<module> [output]"``): True (the modules
         ``activations=True`` picks), False (default), or a regex / list / callable as for ``activations``.
     local_weights : under DDP, also record each rank's *local* weight gradients, before the
@@ -160,8 +169,6 @@ class Recorder:
         self.tensor_kinds = (["weight"] * len(watched) + ["activation"] * len(self._activations)
                              + ["output"] * len(self._outputs)
                              + (["weight_local"] * len(watched) if self._local else []))
-        dtypes = [str(p.dtype) for _, p in self._params]
-        self._dtypes = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         self._open = self._closed = False
         self._run = None
         self._term = SaveOnTerm()
@@ -242,7 +249,7 @@ class Recorder:
         self._flush()
         self._run = self._build_run(final=True)
         if not failing:
-            self._checks.at_close(self._step, self._capture.total_optimizer_steps, self._forwards)
+            self._checks.at_close(self._step, self._capture, self._forwards)
             problems = [p for p in self._model_changes() if p not in self._changes_seen]
             if problems:
                 warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those rows "
@@ -301,17 +308,33 @@ class Recorder:
                                 stacklevel=6)
         self._capture = Capture(self._params, self._activations, self._outputs, self._local, self._counter,
                                 self._ddp)
+        late = self._compiled_since()
         self._counter.target = self._store.slot()
-        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params))
+        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params),
+                                  watched=len(set(self._capture.watched) - late),
+                                  compiled=self._compiled_anywhere or bool(late))
         self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
         self._created = time.time()
         # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
         root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
-        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None)
+        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler, skip=late)
         if self.path is not None:
             self._term.install()
+
+    def _compiled_since(self) -> set:
+        """ids of watched modules compiled after Recorder(...) was made (``model.compile()``): no hook goes on them,
+        since even a hook that does nothing changes how torch.compile splits an in-place compiled module's graph."""
+        late = {i for i in compiled_modules(self.model) if i in self._capture.watched}
+        if late and self.enabled:
+            names = [n for n, m in self._activations + self._outputs if id(m) in late]
+            warnings.warn(f"Recorder: the model was compiled after Recorder(...) was made, so {len(late)} watched "
+                          f"modules now run under torch.compile ({', '.join(list(dict.fromkeys(names))[:3])}): a hook "
+                          f"on them would change the compiled graph and training, so their activation gradients and "
+                          f"outputs are not recorded (weight gradients are). Make the Recorder once the model is "
+                          f"compiled, with activations=False.", AmpvizWarning, stacklevel=4)
+        return late
 
     def _model_changes(self) -> list:
         modules = dict(self._activations + self._outputs)
@@ -328,7 +351,7 @@ class Recorder:
         capture = self._capture
         epoch = None if self.scheduler is None else self.scheduler.last_epoch
         self._store.put_scalars(loss, self.scaler, epoch)
-        self._checks.at_step(capture.optimizer_steps)
+        self._checks.at_step(capture)
         if capture.capturing:
             capture.finish_step()
             self._store.end_row(self._step, capture.order, self._counter)
@@ -353,8 +376,11 @@ class Recorder:
         a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
+        # weight rows: the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes them)
+        dtypes = [str(p.dtype) for _, p in self._params]
+        initial = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
-                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes),
+                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(initial),
                    meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
 
     def _meta(self) -> dict:
@@ -367,5 +393,8 @@ class Recorder:
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
+                # the loop called scaler.unscale_(opt) before scaler.step(opt) (to clip): the doctor reads clipped
+                # weight gradients of skipped steps as such only then
+                "unscaled_before_step": None if sc is None else self._capture.unscaled_before_step,
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
                 "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start}}

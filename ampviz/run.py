@@ -253,7 +253,10 @@ class Run:
         return H.Fate(**{f: v.reshape(R, Hn, T) for f, v in fields.items()})
 
     def summary(self, format="fp16") -> dict:
-        """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``)."""
+        """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``) of the recorded
+        values, and ``flushed_in_backward``: the tensors whose values fp16 already flushed inside the backward,
+        stored as exact zeros, which no cast of the recorded values can count (see ``ampviz.doctor``)."""
+        from .doctor import flushed_in_backward  # lazily: ampviz.doctor imports this module
         fate = self.fate_in(format, "scaled")
         flushed, overflow = fate.fraction("flushed"), fate.fraction("overflow")     # (R, H, T)
         wu, wo = self._worst(flushed), self._worst(overflow)
@@ -264,7 +267,8 @@ class Run:
                 "tensors": len(self.tensor_names),
                 "worst_flushed_fraction": wu[0], "worst_flushed_tensor": wu[1],
                 "worst_overflow_fraction": wo[0], "worst_overflow_tensor": wo[1],
-                "format": str(format), "device": self.meta.get("device"), "scaler": self.meta.get("scaler")}
+                "format": str(format), "device": self.meta.get("device"), "scaler": self.meta.get("scaler"),
+                "flushed_in_backward": flushed_in_backward(self)}
 
     def _worst(self, fractions: np.ndarray):
         """(largest fraction, name of its tensor) of an (R, H, T) array."""
