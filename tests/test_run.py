@@ -118,7 +118,7 @@ def test_bad_files_give_clear_errors(tmp_path):
     meta["schema"] = 99
     arrays["meta"] = np.array(json.dumps(meta))
     np.savez(tmp_path / "newer.npz", **arrays)
-    with pytest.raises(RunFileError, match="newer.npz: written by a newer ampviz \\(schema 99 > 1\\)"):
+    with pytest.raises(RunFileError, match="newer.npz: written by a newer ampviz \\(schema 99 > 2\\)"):
         Run.load(tmp_path / "newer.npz")
     # an object array would need pickle: refused
     arrays["meta"] = np.array([{"a": 1}], dtype=object)
