@@ -28,7 +28,7 @@ from ._zipread import npy_member, open_archive
 
 __all__ = ["load"]
 
-_PIECE = 4 << 20                 # histogram rows are inflated in pieces of at most this many bytes
+_PIECE = 1 << 20                 # histogram rows not inflated in place go through pieces of at most this size
 
 
 def load(path, budget: Budget | None = None):
@@ -215,17 +215,21 @@ def _inflate_rows(rank: _RankFile, name: str, dest: np.ndarray, wanted: np.ndarr
     slot[wanted] = np.arange(wanted.size)
     first = 0
     for info, n in rank.heads[name]:
+        to = slot[first:first + n]
         with npy_member(rank.path, rank.archive, info, name, kinds, what) as member:
-            if member.fortran and len(member.shape) > 1:      # not row by row: whole, then picked
-                budget.take(member.nbytes, rank.path, name)
-                pieces = [(0, member.read())]
+            whole = member.fortran and len(member.shape) > 1      # not row by row: whole, then picked
+            if n and not whole and member.dtype == dest.dtype and np.array_equal(to, np.arange(to[0], to[0] + n)):
+                member.read_into(dest[to[0]:to[0] + n])           # in place: the usual case
             else:
-                pieces = member.rows(_PIECE)
-            for start, block in pieces:
-                to = slot[first + start:first + start + block.shape[0]]
-                keep = to >= 0
-                if keep.any():
-                    dest[to[keep]] = _convert(rank.path, name, block[keep], dtype)
-            if member.fortran and len(member.shape) > 1:
-                budget.give(member.nbytes)
+                if whole:
+                    budget.take(member.nbytes, rank.path, name)
+                for start, block in [(0, member.read())] if whole else member.rows(_PIECE):
+                    piece = to[start:start + block.shape[0]]
+                    keep = piece >= 0
+                    if keep.all():
+                        dest[piece] = _convert(rank.path, name, block, dtype)
+                    elif keep.any():
+                        dest[piece[keep]] = _convert(rank.path, name, block[keep], dtype)
+                if whole:
+                    budget.give(member.nbytes)
         first += n

@@ -29,11 +29,12 @@ import numpy as np
 
 from ._runfile import RunFileError, size_text
 
-__all__ = ["open_archive", "npy_member", "corrupt_file", "MAX_ENTRIES"]
+__all__ = ["open_archive", "npy_member", "corrupt_file", "holds_run", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 1000              # zip entries a run file may list (about ten, or ten per appended part)
 _SCAN_BYTES = 256 << 20         # how far back an interrupted append is searched for (one save's worth)
 _BLOCK = 1 << 20
+_READ = 256 << 10               # inflated per read: zipfile holds about three copies of it for an instant
 _EOCD, _LOCATOR, _EOCD64 = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -74,6 +75,25 @@ def open_archive(path):
             yield archive, size - end
     finally:
         f.close()
+
+
+def holds_run(path) -> bool:
+    """Whether ``path`` (links followed) is a regular file holding an ampviz run: a zip with ampviz metadata,
+    or a zip too damaged to tell (a run cut off mid-save is still a run)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+            f.seek(0)
+            try:
+                with zipfile.ZipFile(f) as archive:
+                    return "meta.npy" in archive.namelist()
+            except Exception:                  # noqa: BLE001 - unreadable as a zip: treated as a run
+                return True
+    except OSError:
+        return False
 
 
 def _open_regular(path):
@@ -225,10 +245,15 @@ class NpyMember:
         arr = data.view(self.dtype).reshape(self.shape, order="F" if self.fortran else "C")
         return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
 
+    def read_into(self, out: np.ndarray) -> None:
+        """The whole array straight into ``out`` (C-contiguous, of this member's shape and native dtype)."""
+        self._fill(out.reshape(-1).view(np.uint8))
+        self._check_end()
+
     def rows(self, max_bytes: int):
         """(first row, rows) pieces of at most ``max_bytes`` (at least one row) of a C-order array."""
         per_row = math.prod(self.shape[1:]) * self.dtype.itemsize
-        n = max(1, max_bytes // max(per_row, 1))
+        n = min(max(1, max_bytes // max(per_row, 1)), max(self.shape[0], 1))
         buffer = np.empty(n * per_row, dtype=np.uint8)
         for first in range(0, self.shape[0], n):
             k = min(n, self.shape[0] - first)
@@ -239,7 +264,7 @@ class NpyMember:
     def _fill(self, out: np.ndarray) -> None:
         pos = 0
         while pos < out.size:                    # read1: pieces of the inflated stream, no joined copies
-            chunk = self.stream.read1(min(4 << 20, out.size - pos))
+            chunk = self.stream.read1(min(_READ, out.size - pos))
             if not chunk:
                 raise EOFError(f"the data ends after {pos} of {out.size} bytes")
             out[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)

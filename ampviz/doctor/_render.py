@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 
+from .._text import printable
 from ._facts import percent
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -29,7 +30,8 @@ def checks_line(diagnosis: dict) -> list[str]:
 
 
 def as_text(diagnosis: dict, label: str = "run") -> str:
-    """The diagnosis of one run as lines of text: one line per finding, its evidence indented below it."""
+    """The diagnosis of one run as lines of text: one line per finding, its evidence indented below it.
+    Control and bidi characters (from tensor names, the label) are escaped: the text goes to terminals."""
     lines = [f"{label}: {headline(diagnosis)}"]
     for f in diagnosis["findings"]:
         lines.append(f"  [{f['severity']}] {f['check']}: {f['summary']}")
@@ -38,7 +40,7 @@ def as_text(diagnosis: dict, label: str = "run") -> str:
     lines += [f"  {line}" for line in checks_line(diagnosis)]
     if diagnosis.get("switch"):
         lines += switch_text(diagnosis["switch"])
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _table(sw: dict) -> tuple[list[str], list[list[str]]]:
@@ -46,7 +48,7 @@ def _table(sw: dict) -> tuple[list[str], list[list[str]]]:
     body = []
     for t in sw["tensors"]:
         cells = [_cell(t["shares"][tg["target"]]) for tg in sw["targets"]]
-        body.append([t["tensor"], t["kind"]] + cells + [t["verdict"]])
+        body.append([printable(t["tensor"]), t["kind"]] + cells + [t["verdict"]])
     return head, body
 
 
