@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _run_checks as checks
-from . import _runfile
+from . import _runfile, _runwrite
 from . import histogram as H
 from ._args import check_choice
 from ._fate_rows import fate_rows
@@ -295,18 +295,19 @@ class Run:
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> list[Path]:
-        """Write one ``.npz`` per rank, atomically. One rank: ``path`` is the file (".npz" added);
-        several: ``path`` is a directory that receives ``rank{r}.npz``. Returns the paths written."""
+        """Write one ``.npz`` per rank, atomically. One rank: ``path`` is the file (".npz" appended when it
+        has another ending), or an existing directory; several ranks, or a directory: ``path`` receives
+        ``rank{r}.npz``. Returns the paths written."""
         path = Path(path)
-        if len(self.ranks) == 1:
-            target = path if path.suffix == ".npz" else path.with_suffix(".npz")
-            _runfile.write(target, *self._rank_payload(0))
+        if len(self.ranks) == 1 and not path.is_dir():
+            target = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+            _runwrite.write(target, *self._rank_payload(0))
             return [target]
         path.mkdir(parents=True, exist_ok=True)
         out = []
         for i, r in enumerate(self.ranks):
             out.append(path / f"rank{int(r)}.npz")         # ranks are validated integers: the file stays in path
-            _runfile.write(out[-1], *self._rank_payload(i))
+            _runwrite.write(out[-1], *self._rank_payload(i))
         return out
 
     @classmethod
