@@ -1,7 +1,8 @@
-"""Fuzzed run files: a few hundred mutations of real run files (bytes flipped, fields of the zip headers
-set to extreme values, compression methods swapped, pieces cut out or repeated), each loaded with
-``Run.load``. The only exception allowed is RunFileError, in one line naming the file; no load hangs,
-and the whole loop stays within the memory budget it is given. Seeds are fixed: a failure names its seed."""
+"""Fuzzed run files: a few hundred mutations of real run files, whole or saved in appended parts (bytes
+flipped, fields of the zip headers set to extreme values, compression methods swapped, pieces cut out or
+repeated), each loaded with ``Run.load``. The only exception allowed is RunFileError, in one line naming
+the file; no load hangs, and the whole loop stays within the memory budget it is given. Seeds are fixed:
+a failure names its seed."""
 
 import random
 import struct
@@ -18,7 +19,7 @@ from ampviz import histogram as H
 from ampviz._warnings import AmpvizWarning
 from ampviz.run import Run, RunFileError
 
-MUTANTS = 400
+MUTANTS = 450
 BUDGET = 4 << 20                   # AMPVIZ_MAX_RUN_BYTES for the loop: what a mutant may make it allocate
 
 
@@ -33,15 +34,35 @@ def seed_run(steps=24, tensors=3) -> Run:
                grad_order=np.zeros((1, steps, tensors), np.int32), scheduler_steps=np.arange(steps)[None])
 
 
+def appended(path: Path) -> Path:
+    """A file a recorder saved three times: parts appended after the first save's end record."""
+    import torch
+    import torch.nn.functional as F
+
+    import ampviz
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampviz.Recorder(model, opt, path=path, save_every=None, save_every_steps=3) as rec:
+        for _ in range(8):
+            F.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 2, (4,))).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    with zipfile.ZipFile(path) as z:
+        assert "counts.2.npy" in z.namelist()
+    return path
+
+
 def seed_files(directory: Path) -> list[bytes]:
-    """The files mutated: a run as ampviz saves it (deflated), and the same members stored uncompressed (so
-    mutations reach the .npy headers and the data directly)."""
+    """The files mutated: a run as ampviz saves it (deflated), the same members stored uncompressed (so
+    mutations reach the .npy headers and the data directly), and a file of appended parts."""
     saved = seed_run().save(directory / "seed.npz")[0]
     stored = directory / "stored.npz"
     with zipfile.ZipFile(saved) as src, zipfile.ZipFile(stored, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info))
-    return [saved.read_bytes(), stored.read_bytes()]
+    return [saved.read_bytes(), stored.read_bytes(), appended(directory / "appended.npz").read_bytes()]
 
 
 def headers(data: bytes) -> list[int]:
