@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 
 from ._args import check_int
 from ._files import clean_stale
 from ._record_guard import held_signals
 from ._runwrite import RunFileWriter
+from ._warnings import AmpvizWarning
 
 __all__ = ["Saver", "check_save_every"]
 
@@ -41,6 +43,7 @@ class Saver:
         self.saved = None
         self._written = (0, 0, 0)                  # steps, histogram rows, decimations in the file
         self._last = (time.monotonic(), 0)         # when, and at which step, the last save was
+        self._failing = False                      # the last periodic save failed (warned once)
 
     @property
     def target(self) -> Path:
@@ -51,6 +54,21 @@ class Saver:
         when, at = self._last
         return ((self.save_every_steps is not None and step - at >= self.save_every_steps)
                 or (self.save_every is not None and time.monotonic() - when >= self.save_every))
+
+    def periodic(self, store, step: int, meta: dict, file_arrays) -> None:
+        """A save while recording: one that fails (disk full, the file's directory gone) is a warning, not an
+        error in the training loop; recording goes on and the next save tries again."""
+        try:
+            self.save(store, step, meta, file_arrays)
+        except Exception as e:                     # noqa: BLE001 - training must not stop for a failed save
+            self._last = (time.monotonic(), step)
+            if not self._failing:
+                warnings.warn(f"Recorder: saving the run to {self.target} failed ({type(e).__name__}: {e}); "
+                              f"recording goes on, the next save tries again (the file holds "
+                              f"{self.saved[1] if self.saved else 0} steps)", AmpvizWarning, stacklevel=4)
+            self._failing = True
+            return
+        self._failing = False
 
     def save(self, store, step: int, meta: dict, file_arrays) -> None:
         """Append what ``store`` holds beyond the last save (the whole run when decimation dropped rows already

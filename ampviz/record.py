@@ -369,7 +369,7 @@ class Recorder:
         capture.capturing = self._step % self.every == 0
         if self._saver is not None and self._saver.due(self._step):
             self._flush()                                  # note: a device->host sync, once per save
-            self._saver.save(self._store, self._step, self._file_meta(), self._file_arrays)
+            self._saver.periodic(self._store, self._step, self._file_meta(), self._file_arrays)
 
     # ------------------------------------------------------------------ saving
     def _file_arrays(self, steps_from: int, rows_from: int) -> dict:

@@ -320,6 +320,25 @@ def test_the_command_gives_one_line_per_hostile_file_and_no_traceback(hostile, t
     assert done.stdout.splitlines()[0] == str(good) and "loss scale" in done.stdout
 
 
+NEW_CLASSES = ["encrypted", "zip_version_12", "lzma_corrupt", "beyond_unicode", "zip64_locator_2_63",
+               "scaler_backoff_huge", "scaler_growth_tiny", "name_surrogate"]
+
+
+def test_info_summarises_the_good_runs_around_each_bad_one(hostile, tmp_path):
+    """``ampviz info good bad good`` for each class of issue 23 (item 7 and 8): both good runs are summarised."""
+    good = str(good_run().save(tmp_path / "good.npz")[0])
+    args = [a for case in NEW_CLASSES for a in (good, str(hostile[case][0]))] + [good]
+    done = subprocess.run([sys.executable, "-m", "ampviz", "info", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "internal error" not in done.stderr and "Traceback" not in done.stderr
+    errors = done.stderr.splitlines()
+    assert len(errors) == len(NEW_CLASSES), done.stderr
+    for case, line in zip(NEW_CLASSES, errors):
+        path, fragment = hostile[case]
+        assert line.startswith(f"ampviz: error: {path}: ") and fragment in line, line
+    assert done.stdout.count(f"{good}\n") == len(NEW_CLASSES) + 1
+
+
 @pytest.mark.parametrize("case", ["script_in_kind", "fifo", "declared_3GB", "nested_deep", "ranks_offset"])
 def test_report_refuses_before_writing_anything(hostile, case, tmp_path, capsys):
     from ampviz.cli import main

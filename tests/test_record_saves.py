@@ -103,6 +103,23 @@ def test_decimation_and_many_parts_rewrite_the_file_whole(tmp_path):
     assert len(parts) < MAX_PARTS
 
 
+def test_a_failing_periodic_save_warns_and_training_goes_on(tmp_path):
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = tmp_path / "rank0.npz"
+    with ampviz.Recorder(model, opt, path=tmp_path, save_every_steps=2) as rec:
+        steps(model, opt, rec, 2)
+        target.unlink()
+        target.mkdir()                                            # the file cannot be written any more
+        with pytest.warns(AmpvizWarning, match=r"saving the run to .*rank0.npz failed \(IsADirectoryError.*recording "
+                                               r"goes on, the next save tries again \(the file holds 2 steps\)"):
+            steps(model, opt, rec, 4)                             # two failed saves, one warning
+        target.rmdir()
+        steps(model, opt, rec, 2)
+        assert rec.saved[1] == 8
+    assert ampviz.Run.load(target).n_steps == 8
+
+
 def test_saves_by_time(tmp_path):
     import time
     model = tiny()
