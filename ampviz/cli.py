@@ -253,9 +253,11 @@ def _cmd_report(args) -> int:
     budget = Budget()                                     # every run of the report, together
     runs = [_load(path, budget) for path in args.runs]
     write_report(runs, output, labels=list(args.runs), format=args.format, title=args.title)
-    size = output.stat().st_size / 1e6 if output.is_file() else None
-    print(f"wrote {printable(output)}" + (f" ({size:.1f} MB, " if size is not None else " (")
-          + f"{len(runs)} run{'s' if len(runs) != 1 else ''})")
+    runs_text = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+    if output.is_file():
+        print(f"wrote {printable(output)} ({output.stat().st_size / 1e6:.1f} MB, {runs_text})")
+    else:                                                 # a device or a pipe (-o /dev/stdout): not into the page
+        print(f"wrote {printable(output)} ({runs_text})", file=sys.stderr)
     return 0
 
 

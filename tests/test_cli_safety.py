@@ -125,7 +125,8 @@ def test_output_through_a_link_to_dev_stdout_writes_to_stdout(tmp_path):
     done = ampviz_cli("report", str(path), "-o", str(link))
     assert done.returncode == 0, done.stderr
     assert link.is_symlink() and os.readlink(link) == "/dev/stdout"
-    assert done.stdout.startswith(b"<!DOCTYPE html>") and b"</html>" in done.stdout
+    assert done.stdout.startswith(b"<!DOCTYPE html>") and done.stdout.endswith(b"</html>")
+    assert done.stderr.decode() == f"wrote {link} (1 run)\n"
     assert not list(tmp_path.glob(".*ampviz-tmp"))
 
 
