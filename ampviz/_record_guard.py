@@ -1,13 +1,17 @@
 """What a Recorder checks so that a mistake costs a warning, not a run: the save path (at construction,
-not after hours of training), a SIGTERM (the run is saved, as on Ctrl-C), ``rec.step()`` in the wrong
-place, and a model changed after the Recorder was made::
+not after hours of training), a SIGTERM (the run is saved, as on Ctrl-C), a signal during a save (it
+waits until the file is complete), ``rec.step()`` in the wrong place, and a model changed after the
+Recorder was made::
 
     path = check_path("runs/exp.npz")                # ValueError now if it could never be written
     rank_file(path, world=2, rank=1)                 # runs/exp.rank1.npz
+    with held_signals("saving the run to runs/exp.npz"):
+        ...                                          # a Ctrl-C or SIGTERM here arrives after the block
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -19,7 +23,7 @@ from pathlib import Path
 from ._record_targets import named_modules, named_parameters
 from ._warnings import AmpvizWarning
 
-__all__ = ["check_path", "rank_file", "SaveOnTerm", "StepChecks", "model_changes"]
+__all__ = ["check_path", "rank_file", "SaveOnTerm", "held_signals", "StepChecks", "model_changes"]
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -36,9 +40,11 @@ def check_path(path):
         raise ValueError("path: empty; give a file ending in .npz, or a directory (it receives rank{r}.npz)")
     p = Path(text).expanduser()
     suffix = p.suffix.lower()
+    if suffix != ".npz" and p.is_dir():              # an existing directory is a directory, dots or not
+        suffix = ""
     if suffix not in ("", ".npz"):
         raise ValueError(f"path: {text!r} ends in {p.suffix!r}; give a file ending in .npz, or a directory "
-                         f"(it receives rank{{r}}.npz)")
+                         f"(an existing one, or a new name without a dot; it receives rank{{r}}.npz)")
     if suffix == ".npz" and p.is_dir():
         raise ValueError(f"path: {text!r} is a directory, but a name ending in .npz is taken for a run file; "
                          f"give a file name, or a directory without the .npz ending")
@@ -69,7 +75,7 @@ def _check_writable(directory: Path, text: str) -> None:
 def rank_file(path: Path, world: int, rank: int) -> Path:
     """The file this rank writes: ``path`` itself (one rank, ``.npz``), ``<stem>.rank{r}.npz`` beside it (several
     ranks), or ``path / rank{r}.npz`` (a directory)."""
-    if path.suffix.lower() == ".npz":
+    if path.suffix.lower() == ".npz" and not path.is_dir():
         return path if world == 1 else path.with_name(f"{path.stem}.rank{rank}.npz")
     return path / f"rank{rank}.npz"
 
@@ -99,6 +105,42 @@ class SaveOnTerm:
         if self.installed and signal.getsignal(signal.SIGTERM) is _exit_on_term:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.installed = False
+
+
+_holding = threading.local()
+
+
+@contextlib.contextmanager
+def held_signals(what: str):
+    """While the block runs (a save), SIGINT and SIGTERM wait: each is noted, and delivered once the block
+    is done, to the handler that was in place (the default action too, which then ends the process after
+    the file is complete). A second Ctrl-C during a save therefore cannot cut it short. Main thread only
+    (Python runs handlers there); a signal set to be ignored, or not handled from Python, is left alone."""
+    if threading.current_thread() is not threading.main_thread() or getattr(_holding, "active", False):
+        yield
+        return
+    pending, handlers = [], {}
+
+    def hold(signum, frame):
+        if not pending:
+            sys.stderr.write(f"ampviz: {signal.Signals(signum).name} received while {what}; it takes effect once "
+                             "the file is complete\n")
+        pending.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None and handler is not signal.SIG_IGN:
+            handlers[sig] = handler
+            signal.signal(sig, hold)
+    _holding.active = True
+    try:
+        yield
+    finally:
+        _holding.active = False
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(pending):          # each kind once, in the order they came
+            signal.raise_signal(signum)
 
 
 # ------------------------------------------------------------------------------------------ rec.step()

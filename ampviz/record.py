@@ -46,9 +46,15 @@ made get no hook at ``with recorder:`` (a warning).
 
 Cost: keys and counts stay on the device; there is no host sync per tensor. The counts are
 copied to the host once every ``flush_every`` recorded steps. Host memory stays within
-``max_bytes`` (plus ``max_bytes / 16`` for the ring and 24 bytes per step) by **decimation**: when
-the histograms fill it, every other recorded step is dropped and ``every`` doubles
+``max_bytes`` (plus ``max_bytes / 16`` for the ring and about 40 bytes per step) by **decimation**:
+when the histograms fill it, every other recorded step is dropped and ``every`` doubles
 (``run.meta["decimated"]`` says how often).
+
+Saving: with ``path``, the run reaches the disk while it is recorded, every ``save_every`` seconds
+(default 60) and/or every ``save_every_steps`` steps, at a ``rec.step()``: a save appends the steps
+recorded since the previous one (``ampviz._runwrite``), so it costs what is new, not the whole run,
+and a crash, a ``kill -9`` or a dead torchrun peer loses at most the last interval. A save is never
+cut short: a Ctrl-C or SIGTERM that arrives during one takes effect once the file is complete.
 """
 
 from __future__ import annotations
@@ -63,8 +69,9 @@ import torch.nn as nn
 from . import __version__
 from ._args import check_int
 from ._counting import make_counter
-from ._record_guard import SaveOnTerm, StepChecks, check_path, model_changes, rank_file
+from ._record_guard import SaveOnTerm, StepChecks, check_path, held_signals, model_changes, rank_file
 from ._record_hooks import Capture
+from ._record_save import Saver, check_save_every
 from ._record_store import StepStore
 from ._record_targets import (
     attention_in_place_of_out_proj,
@@ -116,10 +123,15 @@ class Recorder:
     flush_every : recorded steps buffered on the device between host copies (capped so the buffer
         stays within ``max_bytes / 16``).
     max_bytes : bound on the host memory of the histograms (decimation beyond it).
-    path : where the run is saved (atomically) on exit, also when the loop raises or on SIGTERM: a file
-        ending in ``.npz`` (under DDP each rank writes ``<stem>.rank{r}.npz`` beside it), or a
-        directory, which receives ``rank{r}.npz``. Checked here: a path that could never be written
-        is an error now, not after training.
+    path : where the run is saved while it is recorded (see ``save_every``) and on exit, also when the loop
+        raises or on SIGTERM: a file ending in ``.npz`` (under DDP each rank writes ``<stem>.rank{r}.npz``
+        beside it), or a directory (an existing one whatever its name, or a new name without a dot),
+        which receives ``rank{r}.npz``. Checked here: a path that could never be written is an error
+        now, not after training.
+    save_every : with ``path``, also save every this many seconds (default 60), at the first ``rec.step()``
+        after they have passed; None: not by time. A save appends what was recorded since the previous
+        one: a crash loses at most the last interval.
+    save_every_steps : with ``path``, also save every this many steps; None (default): not by steps.
     enabled : False makes the recorder a no-op (no hooks), like ``autocast(enabled=False)``.
     compiled_by : where a framework runs ``model`` under torch.compile through a wrapper the Recorder never
         sees, the setting that does it (e.g. ``"TrainingArguments(torch_compile=True)"``): the rules above for
@@ -128,7 +140,8 @@ class Recorder:
 
     def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, outputs=False,
                  local_weights=False, scheduler=None, every: int = 1, flush_every: int = 32,
-                 max_bytes: int = 256 << 20, path=None, enabled: bool = True, compiled_by: str | None = None):
+                 max_bytes: int = 256 << 20, path=None, save_every: float | None = 60.0,
+                 save_every_steps: int | None = None, enabled: bool = True, compiled_by: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.optimizer, self.scheduler = unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
@@ -137,6 +150,7 @@ class Recorder:
         for name, value in (("every", every), ("flush_every", flush_every), ("max_bytes", max_bytes)):
             check_int(name, value, low=1)
         self.enabled, self.path = bool(enabled), check_path(path)
+        self.save_every, self.save_every_steps = check_save_every(save_every, save_every_steps)
         self._given = model
         if compiled_by is not None and not (isinstance(compiled_by, str) and compiled_by):
             raise TypeError(f"compiled_by: expected the setting that compiles the model, as a non-empty str, or "
@@ -170,7 +184,7 @@ class Recorder:
                              + ["output"] * len(self._outputs)
                              + (["weight_local"] * len(watched) if self._local else []))
         self._open = self._closed = False
-        self._run = None
+        self._run = self._saver = None
         self._term = SaveOnTerm()
 
     def _modules_for(self, spec, argname: str) -> list:
@@ -228,10 +242,12 @@ class Recorder:
             what = f"saving the run to {self.path}" if self.path is not None else "closing the recorder"
             kept = ("it is still in recorder.run: save it elsewhere with recorder.run.save(path)"
                     if self._run is not None else "what was recorded is lost")
+            if self.saved is not None:
+                kept += f" (the file holds the {self.saved[1]} steps of the last save)"
             note = f"ampviz: {what} also failed ({type(close_error).__name__}: {close_error}); {kept}"
-            if hasattr(exc, "add_note"):
+            if hasattr(exc, "add_note") and isinstance(exc, Exception):
                 exc.add_note(note)
-            else:                                 # pragma: no cover - Python 3.10
+            else:                                 # SystemExit prints no traceback, so no notes; Python 3.10
                 print(note, file=sys.stderr)
         return False
 
@@ -245,17 +261,19 @@ class Recorder:
         self._closed, self._open = True, False
         if not self.enabled:
             return
-        self._teardown()
-        self._flush()
-        self._run = self._build_run(final=True)
-        if not failing:
-            self._checks.at_close(self._step, self._capture, self._forwards)
-            problems = [p for p in self._model_changes() if p not in self._changes_seen]
-            if problems:
-                warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those rows "
-                              f"stopped filling", AmpvizWarning, stacklevel=3)
-        if self.path is not None:
-            self._run.save(rank_file(self.path, self._world, self._rank))
+        self._term.restore()                      # the handler of before; signals wait until the save is done
+        with held_signals(f"saving the run to {self._saver.target}" if self._saver else "closing the recorder"):
+            self._teardown()
+            self._flush()
+            self._run = self._build_run(final=True)
+            if self._saver is not None:
+                self._saver.save(self._store, self._step, self._file_meta(), self._file_arrays)
+            if not failing:
+                self._checks.at_close(self._step, self._capture, self._forwards)
+                problems = [p for p in self._model_changes() if p not in self._changes_seen]
+                if problems:
+                    warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those "
+                                  f"rows stopped filling", AmpvizWarning, stacklevel=3)
 
     def _teardown(self) -> None:
         capture = getattr(self, "_capture", None)
@@ -274,6 +292,11 @@ class Recorder:
             self._counter.wait()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+    @property
+    def saved(self):
+        """``(file, steps)`` of the last save that completed (periodic or on exit), or None: what is on disk."""
+        return None if self._saver is None else self._saver.saved
 
     @property
     def run(self) -> Run:
@@ -321,6 +344,8 @@ class Recorder:
         root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
         self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler, skip=late)
         if self.path is not None:
+            self._saver = Saver(rank_file(self.path, self._world, self._rank), self.save_every,
+                                self.save_every_steps)
             self._term.install()
 
     def _compiled_since(self) -> set:
@@ -365,15 +390,35 @@ class Recorder:
         self.every = self._store.every                     # decimation may have doubled it
         capture.new_step()
         capture.capturing = self._step % self.every == 0
+        if self._saver is not None and self._saver.due(self._step):
+            self._flush()                                  # note: a device->host sync, once per save
+            self._saver.periodic(self._store, self._step, self._file_meta(), self._file_arrays)
+
+    # ------------------------------------------------------------------ saving
+    def _file_arrays(self, steps_from: int, rows_from: int) -> dict:
+        """The arrays of the rank file (views of the store) from step ``steps_from`` and histogram row
+        ``rows_from`` on."""
+        a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=False, steps_from=steps_from,
+                               rows_from=rows_from)
+        names = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts", "grad_order")
+        return {k: a[k] for k in names + (("scheduler_steps",) if self.scheduler is not None else ())}
+
+    def _file_meta(self) -> dict:
+        meta = dict(self._meta(), rank=self._rank, tensor_names=list(self.tensor_names),
+                    tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes))
+        meta.pop("ranks")
+        return meta
 
     def _flush(self) -> None:
         self._store.flush_counts(self._counter)
         self._store.flush_scalars()
 
     # ------------------------------------------------------------------ the run
+    def _skip_by_scale(self) -> bool:
+        return self.scaler is not None and self.scaler.get_backoff_factor() < 1
+
     def _build_run(self, final: bool, hist_after: int = -1) -> Run:
-        skip_by_scale = self.scaler is not None and self.scaler.get_backoff_factor() < 1
-        a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final, hist_after=hist_after)
+        a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
         # weight rows: the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes them)
@@ -398,3 +443,4 @@ class Recorder:
                 "unscaled_before_step": None if sc is None else self._capture.unscaled_before_step,
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
                 "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start}}
+

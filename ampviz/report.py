@@ -25,6 +25,8 @@ import numpy as np
 from . import __version__
 from . import histogram as H
 from ._files import atomic_write
+from ._text import lone_surrogate, printable
+from ._zipread import holds_run
 from .formats import get_format
 from .run import Run
 
@@ -210,6 +212,8 @@ def report_html(runs, labels=None, format="fp16", title: str = "ampviz report") 
     if len(labels) != len(runs):
         raise ValueError(f"labels: expected {len(runs)} labels (one per run), got {len(labels)}")
     fmt = get_format(format)
+    title = _shown_text("title", title)
+    labels = [_shown_text(f"labels[{i}]", lab) for i, lab in enumerate(labels)]
     nav = "".join(f'<a href="#run{i}">{html.escape(lab)}</a>' for i, lab in enumerate(labels))
     body = "".join(_run_section(run, lab, fmt, f"run{i}") for i, (run, lab) in enumerate(zip(runs, labels)))
     made = time.strftime("%Y-%m-%d %H:%M")
@@ -220,16 +224,42 @@ def report_html(runs, labels=None, format="fp16", title: str = "ampviz report") 
             f'them (scaled).</p>' + (f"<nav>{nav}</nav>" if len(runs) > 1 else "") + body + "</body></html>")
 
 
+def _shown_text(name: str, text) -> str:
+    """``text`` for the page: control and bidi characters escaped; a lone surrogate (bytes that were not
+    UTF-8, e.g. a non-UTF-8 title on the command line) refused, naming ``name``."""
+    text = str(text)
+    bad = lone_surrogate(text)
+    if bad and name == "title":
+        raise ValueError(f"title: '{printable(text)}' holds {bad}, a byte that is not UTF-8 text; give the title "
+                         "as UTF-8 text")
+    return printable(text)                    # a label is a path: a non-UTF-8 file name is shown escaped
+
+
+def check_output(path, name: str = "path") -> Path:
+    """``path`` as a Path if a report may be written there: not a directory, not a file holding an ampviz
+    run (a report never replaces a run), not a name ending in ``.npz`` (the ending of run files). Errors
+    name the argument ``name``."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{name}: {printable(path)} is a directory; give the HTML file to write, e.g. "
+                         f"{printable(path / 'report.html')}")
+    if holds_run(path):
+        raise ValueError(f"{name}: {printable(path)} holds an ampviz run; a report never replaces a run, give "
+                         "another file name")
+    if path.suffix.lower() == ".npz":
+        raise ValueError(f"{name}: {printable(path)} ends in .npz, the ending of run files; give an .html file")
+    return path
+
+
 def write_report(runs, path, labels=None, format="fp16", title: str = "ampviz report") -> Path:
-    """Write :func:`report_html` to ``path`` atomically (parent directories are created).
+    """Write :func:`report_html` to ``path`` atomically (parent directories are created). A path that is a
+    directory, ends in ``.npz`` or holds an ampviz run is refused (:func:`check_output`).
 
     Returns
     -------
     Path of the written file.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"path: {path} is a directory; give the HTML file to write")
+    path = check_output(path)
     page = report_html(runs, labels=labels, format=format, title=title)
     atomic_write(path, lambda f: f.write(page), text=True)
     return path

@@ -421,9 +421,12 @@ def test_every_finding_has_evidence_and_a_recommendation_and_the_cli_prints_one_
     heads = [line for line in lines if line.startswith("  [")]
     assert len(heads) == len(d["findings"])
     assert [h.split("]")[1].split(":")[0].strip() for h in heads] == [f["check"] for f in d["findings"]]
-    assert main(["doctor", str(path), str(path), "--json"]) == 1
+    other = tmp_path / "copy.npz"
+    other.write_bytes(path.read_bytes())
+    assert main(["doctor", str(path), str(other), "--json"]) == 1          # the run has errors: exit 1
     both = json.loads(capsys.readouterr().out)
-    assert list(both) == [str(path)] and both[str(path)]["findings"] == json.loads(json.dumps(d))["findings"]
+    assert list(both) == [str(path), str(other)]
+    assert both[str(path)]["findings"] == both[str(other)]["findings"] == json.loads(json.dumps(d))["findings"]
 
 
 def test_doctor_on_a_missing_file_is_one_error_line(capsys, tmp_path):

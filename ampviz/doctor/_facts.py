@@ -84,7 +84,7 @@ def names_text(names, limit: int = 5) -> str:
 
 
 def best_static_log2(trace: np.ndarray, fmt) -> int | None:
-    """log2 of the largest static scale at which no finite step of a gradient trace (``ampviz.gradient_trace``)
+    """log2 of the largest static scale at which no finite step of a gradient trace (``ampviz.replay.trace_from_run``)
     overflows ``fmt``; None when the trace has no finite non-zero step. Trace values are binades' lower edges
     2**k, so k + s <= emax never overflows."""
     finite = trace[np.isfinite(trace) & (trace > 0)]

@@ -8,6 +8,7 @@ import shutil
 import sys
 import textwrap
 
+from .._text import printable
 from ._facts import percent
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -39,7 +40,8 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
 
     ``width``: wrap lines at word boundaries to this many characters, continuation lines indented (default: the
     terminal's width; ``WIDTH`` in a notebook, whose output area is not the terminal its kernel started in, and
-    where there is no terminal, e.g. a pipe); 0 never wraps.
+    where there is no terminal, e.g. a pipe); 0 never wraps. Control and bidi characters (from tensor names, the
+    label) are escaped: the text goes to terminals.
     """
     if width is None:
         width = WIDTH if "ipykernel" in sys.modules else shutil.get_terminal_size((WIDTH, 24)).columns
@@ -51,7 +53,7 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
     lines += [(f"  {line}", "    ") for line in checks_line(diagnosis)]
     if diagnosis.get("switch"):
         lines += [(line, "      ") for line in switch_text(diagnosis["switch"])]
-    return "\n".join(_wrap(text, indent, width) for text, indent in lines)
+    return "\n".join(_wrap(printable(text), indent, width) for text, indent in lines)
 
 
 def _wrap(text: str, indent: str, width: int) -> str:
@@ -67,7 +69,7 @@ def _table(sw: dict) -> tuple[list[str], list[list[str]]]:
     body = []
     for t in sw["tensors"]:
         cells = [_cell(t["shares"][tg["target"]]) for tg in sw["targets"]]
-        body.append([t["tensor"], t["kind"]] + cells + [t["verdict"]])
+        body.append([printable(t["tensor"]), t["kind"]] + cells + [t["verdict"]])
     return head, body
 
 

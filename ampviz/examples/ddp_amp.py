@@ -16,8 +16,11 @@ optimizer, scaler, scheduler, step), and prints a classification report on the t
 ``--resume runs/ddp/state.pt`` continues a run on every rank, with ``--steps`` the total.
 
 Every collective is bounded by ``--timeout``: if a rank dies or hangs, the others stop with a clear
-error instead of waiting forever, and every rank's recording so far is still saved.
-``--fail-rank R --fail-step S [--fail-mode raise|hang]`` makes rank R fail on purpose to show it.
+error instead of waiting forever. Each rank's recording reaches its file while it trains (every
+``--save-every`` seconds, default 60, and/or ``--save-every-steps``) and when it stops, also on
+SIGTERM (torchrun's way of stopping the survivors of a failed rank): a rank killed outright
+(``kill -9``, the OOM killer) keeps all but its last interval. Each rank says what its file holds.
+``--fail-rank R --fail-step S [--fail-mode raise|hang|kill]`` makes rank R fail on purpose to show it.
 From Python (a notebook), ``ampviz.examples.distributed.launch(train_worker, 2, args=(Config(...),))``.
 """
 
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 
 from .. import Recorder
 from .._args import check_int
+from .._record_save import check_save_every
 from .data import digit_rows
 from .distributed import PeerFailure, init_from_env, is_collective_failure
 from .models import TransformerClassifier
@@ -72,13 +76,15 @@ class Config:
     progress: bool = True            # progress bar on rank 0
     fail_rank: int | None = None     # make this rank fail on purpose ...
     fail_step: int = 3               # ... before this optimizer step
-    fail_mode: str = "raise"         # raise an exception, or hang (sleep) without answering
+    fail_mode: str = "raise"         # raise an exception, hang (sleep) without answering, or kill -9 itself
+    save_every: float | None = 60.0  # seconds between saves of the recording while training (None: on exit)
+    save_every_steps: int | None = None   # and/or optimizer steps between saves
 
     def __post_init__(self):
         if self.amp not in ("fp16", "bf16", "off"):
             raise ValueError(f"amp: expected 'fp16', 'bf16' or 'off', got {self.amp!r}")
-        if self.fail_mode not in ("raise", "hang"):
-            raise ValueError(f"fail_mode: expected 'raise' or 'hang', got {self.fail_mode!r}")
+        if self.fail_mode not in ("raise", "hang", "kill"):
+            raise ValueError(f"fail_mode: expected 'raise', 'hang' or 'kill', got {self.fail_mode!r}")
         for name in ("steps", "accum", "batch", "d_model", "eval_every"):
             check_int(name, getattr(self, name), low=1)
         check_int("warmup", self.warmup, low=0)
@@ -87,6 +93,7 @@ class Config:
         if self.resume is not None and not os.path.isfile(self.resume):
             raise ValueError(f"resume: expected a state.pt written by {PROG} (--out DIR writes DIR/state.pt), "
                              f"got {self.resume!r}, which is not a file")
+        check_save_every(self.save_every, self.save_every_steps)
 
 
 def splits(seed: int = 0, dev_fraction: float = 0.15):
@@ -109,17 +116,19 @@ def train_worker(config: Config) -> dict:
     raises :class:`ampviz.examples.distributed.PeerFailure` with a message naming the rank and the timeout.
     """
     rank = int(os.environ.get("RANK", "0"))
+    recorders = []                                 # _train's recorder, to say what its file holds
     try:
-        return _train(config)
+        return _train(config, recorders)
+    except SystemExit:                             # SIGTERM (torchrun stopping the survivors of a failed rank)
+        print(f"{PROG}: rank {rank} stopped by a signal. {_saved(recorders, config)}", file=sys.stderr, flush=True)
+        raise
     except Exception as e:
         if not is_collective_failure(e):
             raise
         first = re.sub(r"\[[^\]]*/[^\]]*\]\s*", "", " ".join(str(e).split())).split(". ")[0][:200]
-        saved = (f"Whatever this rank recorded before the failure is saved in {config.out}." if config.out
-                 else "Nothing was saved (no --out).")
         raise PeerFailure(f"rank {rank} stopped: a collective operation failed ({first}). Another rank has "
                           f"probably died or stopped responding; collectives give up after timeout="
-                          f"{config.timeout:g} s. {saved}") from e
+                          f"{config.timeout:g} s. {_saved(recorders, config)}") from e
 
 
 def build(config: Config, env) -> tuple[Trainer, DataLoader]:
@@ -145,7 +154,17 @@ def build(config: Config, env) -> tuple[Trainer, DataLoader]:
     return trainer, loader
 
 
-def _train(config: Config) -> dict:
+def _saved(recorders: list, config: Config) -> str:
+    """What this rank's run file holds, as the recorder reports it (never a save that did not happen)."""
+    if not config.out:
+        return "Nothing was saved (no --out)."
+    saved = recorders[0].saved if recorders else None
+    if saved is None:
+        return "Nothing of this rank's recording was saved."
+    return f"This rank's recording of {saved[1]} steps is saved in {saved[0]}."
+
+
+def _train(config: Config, recorders: list) -> dict:
     env = init_from_env(config.timeout)
     rank, world, device = env.rank, env.world_size, env.device
     trainer, loader = build(config, env)
@@ -156,10 +175,12 @@ def _train(config: Config) -> dict:
     out = Path(config.out) if config.out else None
     run_path = None if out is None else (out if world > 1 else out / "run.npz")
     checkpoint = None if out is None else out / "best.pt"
-    if out is not None and rank == 0:
+    if out is not None:                            # every rank: the Recorder checks the directory it writes to
         out.mkdir(parents=True, exist_ok=True)
     recorder = Recorder(ddp, optimizer, scaler=scaler, local_weights=config.local_weights and world > 1,
-                        path=run_path, scheduler=trainer.scheduler)
+                        path=run_path, scheduler=trainer.scheduler, save_every=config.save_every,
+                        save_every_steps=config.save_every_steps)
+    recorders.append(recorder)
     trainer.recorder = recorder
     start = time.perf_counter()
     with recorder:                                 # saved on exit, also when training raises
@@ -187,6 +208,8 @@ def _failure(config: Config, rank: int):
 
     def fail_at(step):
         if step == config.fail_step:
+            if config.fail_mode == "kill":                 # as kill -9 or the OOM killer: no handler, no save
+                os.kill(os.getpid(), signal.SIGKILL)
             if config.fail_mode == "hang":
                 time.sleep(10 * config.timeout + 60)       # never answers the next all-reduce
             raise RuntimeError(f"rank {rank}: deliberate failure before step {step} (--fail-rank {rank})")
@@ -215,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--fail-rank", type=int, default=None, help="make this rank fail on purpose")
     p.add_argument("--fail-step", type=int, default=c.fail_step)
-    p.add_argument("--fail-mode", choices=["raise", "hang"], default=c.fail_mode)
+    p.add_argument("--fail-mode", choices=["raise", "hang", "kill"], default=c.fail_mode)
+    p.add_argument("--save-every", type=float, default=c.save_every,
+                   help="seconds between saves of each rank's recording while training (default 60)")
+    p.add_argument("--save-every-steps", type=int, default=None, help="also save every this many steps")
     return p
 
 
@@ -232,7 +258,8 @@ def main(argv=None) -> int:
                         max_grad_norm=args.max_grad_norm or None, warmup=args.warmup, resume=args.resume,
                         eval_every=args.eval_every, seed=args.seed, timeout=args.timeout,
                         local_weights=not args.no_local_weights, progress=not args.quiet,
-                        fail_rank=args.fail_rank, fail_step=args.fail_step, fail_mode=args.fail_mode)
+                        fail_rank=args.fail_rank, fail_step=args.fail_step, fail_mode=args.fail_mode,
+                        save_every=args.save_every, save_every_steps=args.save_every_steps)
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
