@@ -27,7 +27,6 @@ import re
 
 import numpy as np
 
-from ._counting import NBINS
 from ._files import atomic_write
 from ._text import lone_surrogate
 

@@ -292,6 +292,23 @@ def test_explicit_out_proj_is_replaced_by_the_attention_output_with_a_warning():
     assert isinstance(layer.self_attn, nn.MultiheadAttention)
 
 
+class Checkpointed(nn.Module):
+    """fc0 and fc1 inside torch.utils.checkpoint (reentrant, as older HF code still does), then head."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0, self.fc1, self.head = nn.Linear(10, 24), nn.Linear(24, 24), nn.Linear(24, 3)
+        self.reentrant = reentrant
+
+    def block(self, x):
+        return torch.tanh(self.fc1(torch.tanh(self.fc0(x))))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_outputs_inside_a_checkpoint_are_counted_once_per_forward(reentrant):
     """A reentrant checkpoint runs the real forward under no_grad and recomputes it inside backward: its
