@@ -1,4 +1,4 @@
-"""Process-group basics, one small function per idea (lessons 10 and 11 run them on 2 ranks).
+"""Process-group basics, one small function per idea (lessons 10, 10b, 11 and 11b run them on 2 ranks).
 
 Each function joins the process group with :func:`ampviz.examples.distributed.init_from_env` (torchrun's
 environment) and returns plain data, so a notebook can run it with ``ampviz.examples.distributed.launch``::

@@ -28,7 +28,8 @@ When no process group exists, a one-process group (gloo on CPU, nccl on CUDA) is
 temporary file store and destroyed afterwards; inside an existing group (e.g. under torchrun)
 that group is used and left alone.
 
-Used by lessons 02b (what DDP sends, and what 16 bits cost) and appendix_compression_hooks.
+Used by lessons 02b (what DDP sends, and what 16 bits cost), 11 (DDP + AMP training) and
+appendix_compression_hooks.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ gradients by magnitude) and the questions a learner asks of them::
 Bins are binades closed at the top, (2**k, 2**(k+1)], as everywhere in ampviz (``ampviz.histogram``).
 "Flushed" means a non-zero value that becomes exactly 0 after ``(x * 2**s).to(format)``.
 
-Used by lessons 05 (gradient underflow), 06 (GradScaler) and 08 (bf16 and fp8).
+Used by lessons 05 (gradient underflow), 06 and 06b (GradScaler) and 08 (bf16 and fp8).
 """
 
 from __future__ import annotations
