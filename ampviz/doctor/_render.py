@@ -45,7 +45,7 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
     """
     if width is None:
         width = WIDTH if "ipykernel" in sys.modules else shutil.get_terminal_size((WIDTH, 24)).columns
-    lines = [(f"{label}: {headline(diagnosis)}", "    ")]
+    lines = [(f"{label}: {headline(diagnosis)}", None)]         # never wrapped: one line per run, for scripts
     for f in diagnosis["findings"]:
         lines.append((f"  [{f['severity']}] {f['check']}: {f['summary']}", "      "))
         lines += [(f"      {d}", "        ") for d in f["details"]]
@@ -56,8 +56,8 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
     return "\n".join(_wrap(printable(text), indent, width) for text, indent in lines)
 
 
-def _wrap(text: str, indent: str, width: int) -> str:
-    if width <= 0 or len(text) <= width:
+def _wrap(text: str, indent: str | None, width: int) -> str:
+    if indent is None or width <= 0 or len(text) <= width:
         return text
     first = text[:len(text) - len(text.lstrip())]
     return textwrap.fill(text.strip(), width, initial_indent=first, subsequent_indent=indent,
