@@ -30,8 +30,9 @@ __all__ = ["TorchPolicy", "DeepSpeedPolicy", "MegatronPolicy", "StaticPolicy", "
            "Replay", "replay", "policy_from_scaler", "policy_fields"]
 
 
-# every numeric setting of every policy: (test, what is valid); min_scale is checked against init_scale
-_RULES = {
+# every numeric setting of every policy: (test, what is valid); min_scale is checked against init_scale.
+# Not in __all__; the run checks read it for a file's scaler settings
+FIELD_RULES = {
     "init_scale": (lambda v, p: 0 < v < math.inf, "a positive finite number"),
     "growth_factor": (lambda v, p: v > 1, "a number > 1"),
     "scale_factor": (lambda v, p: v > 1, "a number > 1"),
@@ -47,12 +48,12 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _validate(policy) -> None:
-    """Check every numeric field of ``policy`` against _RULES, naming the field, value and valid range."""
+    """Check every numeric field of ``policy`` against FIELD_RULES, naming the field, value and valid range."""
     for f in fields(policy):
-        if f.name not in _RULES:
+        if f.name not in FIELD_RULES:
             continue
         value = getattr(policy, f.name)
-        ok, valid = _RULES[f.name]
+        ok, valid = FIELD_RULES[f.name]
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not ok(value, policy):
             raise ValueError(f"{f.name}: got {value!r}; expected {valid}")

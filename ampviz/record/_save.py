@@ -14,11 +14,11 @@ import time
 import warnings
 from pathlib import Path
 
-from ._args import check_int
-from ._files import clean_stale
-from ._record_guard import held_signals
-from ._runwrite import RunFileWriter
-from ._warnings import AmpvizWarning
+from .._args import check_int
+from .._files import clean_stale
+from .._runwrite import RunFileWriter
+from .._warnings import AmpvizWarning
+from ._signals import held_signals
 
 __all__ = ["Saver", "check_save_every"]
 
