@@ -9,6 +9,7 @@ import torch
 
 import ampviz
 from ampviz.record import Recorder, RecordOptions
+from ampviz.run import KIND_DOMAIN, KINDS
 
 
 def tiny():
@@ -76,6 +77,7 @@ def test_the_run_says_how_it_was_recorded_and_files_without_it_still_load(tmp_pa
                        "every": 2, "flush_every": 32, "max_bytes": 256 << 20, "path": str(tmp_path / "run.npz"),
                        "save_every": None, "save_every_steps": None, "enabled": True, "compiled_by": None}
     json.dumps(options)
+    assert run.meta["domains"] == KIND_DOMAIN and tuple(KIND_DOMAIN) == KINDS     # the schema, stated once
     assert ampviz.Run.load(tmp_path / "run.npz").meta["options"] == options
     old = dataclasses.replace(run, meta={k: v for k, v in run.meta.items() if k != "options"})
     old.save(tmp_path / "old.npz")

@@ -71,7 +71,7 @@ from .._args import check_int
 from .._counting import make_counter
 from .._dist import dist_info
 from .._warnings import AmpvizWarning
-from ..run import Run
+from ..run import KIND_DOMAIN, Run
 from ._checks import StepChecks, model_changes
 from ._hooks import Capture
 from ._paths import rank_file
@@ -432,8 +432,7 @@ class Recorder:
         return {"ampviz_version": __version__, "torch_version": torch.__version__, "device": str(self.device),
                 "world_size": self._world, "ranks": [self._rank], "every": self.every,
                 "decimated": self._store.decimations, "created": self._created,
-                "domains": {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled",
-                            "output": "unscaled"},
+                "domains": dict(KIND_DOMAIN),
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
