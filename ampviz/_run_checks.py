@@ -20,7 +20,7 @@ from ._counting import NBINS
 from ._runfile import RunFileError
 from ._runfile import show as _show
 from ._warnings import AmpvizWarning
-from .replay.policies import _RULES as SCALER_RULES
+from .replay import SETTING_RULES as SCALER_RULES
 
 # what a counts row holds: a parameter's gradient (after all-reduce, unscaled), the gradient w.r.t. a
 # module's output (scaled), a parameter's local gradient before DDP's all-reduce (scaled), a module's
