@@ -206,9 +206,9 @@ class PlacementExplorer(widgets.VBox):
     control away (:meth:`first_moves`) are computed before the figure is built.
 
     Public state: ``optimizer``, ``dtype``, ``island`` (controls), ``figure`` (a FigureWidget: one bar trace
-    per misplaced step, one bar per parameter), ``readout`` (HTML), ``reference`` and ``results`` (the
-    :class:`PlacementResult` of the recommended step and of each misplaced one), ``changes`` (per misplaced
-    step, the largest |difference| per parameter relative to the reference step's largest update).
+    per misplaced step, one bar per parameter), ``readout`` (HTML), ``steps_computed``, ``reference`` and
+    ``results`` (the :class:`PlacementResult` of the recommended step and of each misplaced one), ``changes``
+    (per misplaced step, the largest |difference| per parameter relative to the reference step's largest update).
     """
 
     MISPLACED = {"backward": "backward inside", "step": "backward, step and update inside"}
@@ -253,6 +253,11 @@ class PlacementExplorer(widgets.VBox):
         return ([(optimizer, dtype, island)] + [(o, dtype, island) for o in OPTIMIZERS if o != optimizer]
                 + [(optimizer, d, island) for d in (torch.float16, torch.bfloat16) if d != dtype]
                 + [(optimizer, dtype, not island)])
+
+    @property
+    def steps_computed(self) -> int:
+        """How many steps have been run so far (each setting once; a control change to a computed one runs none)."""
+        return len(self._cache)
 
     def step_for(self, optimizer, dtype, inside, island) -> PlacementResult:
         """The (cached) :func:`placement_step` for one setting."""

@@ -174,3 +174,19 @@ def test_a_call_the_fake_path_cannot_run_is_not_reported_as_autocast_refusing_it
 @pytest.mark.gpu
 def test_real_cuda_takes_the_route_the_fake_tensors_show():
     assert _loss_route("cuda", torch.float16)[1][0] == ("_log_softmax", ("float16",), ("float16",))
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_cuda_autocast_sums_with_dtype_float32_without_copying(low):
+    """Lesson 04 said the bias sum ran "on float32 copies"; sum is an fp32_set_opt_dtype op: autocast passes
+    dtype=float32 and the kernel reads the 16-bit tensor itself."""
+    records = trace_under_autocast("cuda", lambda g: g.sum(0), torch.randn(8, 3).to(low), dtype=low).records
+    assert [(r.op, r.output_dtypes) for r in records] == [("sum", ("float32",))]
+
+
+def test_muons_norm_is_float32_under_cuda_bf16_autocast_and_bf16_under_cpu():
+    g = torch.randn(8, 8).bfloat16()
+    assert {d: trace_under_autocast(d, torch.linalg.vector_norm, g, dtype=torch.bfloat16).result.dtype
+            for d in ("cpu", "cuda")} == {"cpu": torch.bfloat16, "cuda": torch.float32}
+    # autocast never casts float64: the scaler's reciprocal stays float64 on CUDA's float32 list
+    assert trace_under_autocast("cuda", lambda s: s.double().reciprocal(), torch.ones(1)).result.dtype == torch.float64

@@ -194,9 +194,10 @@ def test_explorer_computes_every_first_move_before_its_figure(batch, monkeypatch
     monkeypatch.setattr(placement.go, "FigureWidget", built)
     explorer = PlacementExplorer(*batch, lr=0.02)
     assert len(explorer.first_moves()) == 5 and events == ["step"] * 15 + ["figure"]
+    assert explorer.steps_computed == 15
     for control, value in ((explorer.optimizer, "adam"), (explorer.optimizer, "muon"),
                            (explorer.dtype, torch.bfloat16), (explorer.island, False)):
         start = control.value
         control.value = value
         control.value = start
-    assert events.count("step") == 15
+    assert events.count("step") == 15 == explorer.steps_computed
