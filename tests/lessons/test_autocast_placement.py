@@ -9,6 +9,7 @@ from ampviz.lessons.autocast_code import (
     CUSTOM_VARIANTS,
     VARIANTS,
     autocast_in_threads,
+    custom_matmul,
     parallel_apply_autocast_call,
     trace_custom_function,
 )
@@ -201,3 +202,25 @@ def test_explorer_computes_every_first_move_before_its_figure(batch, monkeypatch
         control.value = value
         control.value = start
     assert events.count("step") == 15 == explorer.steps_computed
+
+
+def test_cast_inputs_casts_only_inside_an_autocast_block():
+    """Lesson 04b said cast_inputs casts the inputs to float32; it does so only where autocast is enabled."""
+    fn = custom_matmul("custom_fwd(cast_inputs=float32)")
+    h = torch.randn(4, 4).to(torch.bfloat16)
+    assert fn.apply(h, h).dtype == torch.bfloat16
+    with torch.amp.autocast("cpu", dtype=torch.bfloat16):
+        assert fn.apply(h, h).dtype == torch.float32
+
+
+def test_a_forward_that_carries_its_own_autocast_keeps_its_dtype_in_every_thread():
+    """Lesson 04b's fix for DataParallel's replicas (dtype not inherited): autocast on the model's forward."""
+    class SelfCast(torch.nn.Linear):
+        @torch.autocast("cpu", dtype=torch.float16)
+        def forward(self, x):
+            return super().forward(x)
+
+    x = torch.randn(4, 8)
+    assert autocast_in_threads(torch.nn.Linear(8, 3), x, torch.float16)["new thread + the caller's enabled flag"] \
+        == torch.bfloat16
+    assert set(autocast_in_threads(SelfCast(8, 3), x, torch.float16).values()) == {torch.float16}
