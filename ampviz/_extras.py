@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["require", "MissingExtra", "EXTRA_OF"]
+__all__ = ["require", "MissingExtra", "Unavailable", "EXTRA_OF"]
 
 # the extra that provides each optional top-level module
 # (tensorboard, wandb and pandas are named by package: a user of `ampviz export` or `Run.to_pandas` installs the
@@ -23,6 +23,10 @@ _PACKAGE = {"sklearn": "scikit-learn"}
 
 class MissingExtra(ImportError):
     """An optional dependency is not installed; the message says which extra provides it."""
+
+
+class Unavailable(RuntimeError):
+    """An installed optional service cannot be used as set up (W&B without a login); the message says how."""
 
 
 def require(module: str, feature: str) -> None:

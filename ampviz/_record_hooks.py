@@ -11,7 +11,17 @@ Rows of the counts, in this order: weight gradients (one per parameter), activat
   optimizer's divided by the ``grad_scale`` GradScaler hands it); with ``step(closure)`` it wraps the
   closure and counts once its first call has run the backward;
 * a forward pre-hook on the model: a new forward after gradients were seen ends the step's first
-  backward, whose order is the one recorded (a Python counter per gradient hook: no sync).
+  backward, whose order is the one recorded (a Python counter per gradient hook: no sync); with its
+  forward hook it also marks a training forward (grad enabled when the model was called), inside which a
+  reentrant checkpoint's no_grad forward counts as the real one;
+* the GradScaler's ``step`` wrapped on the instance (put back on remove): a step the scaler skipped
+  never reaches the optimizer, so its weight gradients are counted right when ``scaler.step`` returns,
+  before the loop can zero them in place (``zero_grad(set_to_none=False)``); it also tells whether the
+  loop uses that scaler at all.
+
+Hooks that find themselves traced by torch.compile (a compiled wrapper the Recorder was not given, or a
+model compiled after the Recorder was made) stand down: they return at once, so nothing is traced into
+the graph and training is unchanged, and they set ``traced`` so the recorder can say so.
 """
 
 from __future__ import annotations
@@ -19,10 +29,15 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.amp.grad_scaler import OptState
+from torch.compiler import is_compiling as _traced
 
-from ._record_targets import first_tensor
+from ._record_targets import first_tensor, unwrap_optimizer
 
 __all__ = ["Capture"]
+
+_UNSCALED = OptState.UNSCALED
+# _traced(): True while torch.compile traces the caller (bound once: the hooks call it on every forward)
 
 
 class Capture:
@@ -49,16 +64,23 @@ class Capture:
         self.capturing = True
         self.optimizer_steps = self.forwards = 0             # since the last rec.step(), for the misuse checks
         self.total_optimizer_steps = 0
+        self.scaler_steps = self.total_scaler_steps = 0      # calls of the watched GradScaler's step()
+        self.unscaled_before_step = False                    # scaler.unscale_(opt) before scaler.step(opt): clipping
+        self.traced = False                                  # a hook stood down inside torch.compile's tracing
+        self.training_forward = False                        # inside a call of the model with grad enabled
         self._opt_rows: dict = {}
         self.new_step()
 
     # ------------------------------------------------------------------ install / remove
-    def install(self, root, optimizer, global_hook) -> None:
-        """Register every hook (append each handle as soon as it exists, so a failure can remove them)."""
+    def install(self, root, optimizer, global_hook, scaler=None, skip=frozenset()) -> None:
+        """Register every hook (append each handle as soon as it exists, so a failure can remove them); none on the
+        watched modules whose ids are in ``skip``."""
         if root is not None:
             self.handles.append(root.register_forward_pre_hook(self._on_model_forward))
-        for m, act, out in self.watched.values():
-            self.handles.append(m.register_forward_hook(functools.partial(self._on_forward, act, out)))
+            self.handles.append(root.register_forward_hook(self._on_model_forward_end, always_call=True))
+        for key, (m, act, out) in self.watched.items():
+            if key not in skip:
+                self.handles.append(m.register_forward_hook(functools.partial(self._on_forward, act, out)))
         for i, (_, p) in enumerate(self.params):
             self.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_accumulated, i)))
         if optimizer is not None:
@@ -66,6 +88,8 @@ class Capture:
         elif global_hook and self.params:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             self.handles.append(register_optimizer_step_pre_hook(self._on_optimizer_step))
+        if scaler is not None:
+            self.handles.append(ScalerStepWatch(scaler, self))
 
     def remove(self) -> None:
         while self.handles:
@@ -79,7 +103,8 @@ class Capture:
         self.grads_seen = False
         self.weights_done = [False] * self.n_weights
         self.grad_refs = [None] * self.n_weights
-        self.optimizer_steps = self.forwards = 0
+        self.optimizer_steps = self.forwards = self.scaler_steps = 0
+        self.module_forwards = False                         # a watched module's forward hook ran
 
     def finish_step(self) -> None:
         """Count the weight gradients no optimizer hook counted (a skipped step; no hook fired)."""
@@ -102,21 +127,35 @@ class Capture:
             self.next_order += 1
 
     def _on_model_forward(self, module, inputs):
-        if torch.is_grad_enabled():
+        if _traced():                    # traced: stand down (nothing enters the graph)
+            self.traced = True
+            return
+        self.training_forward = torch.is_grad_enabled()
+        if self.training_forward:
             self.forwards += 1
             if self.grads_seen:                              # a new micro-batch: the first backward is over
                 self.ordering = False
 
+    def _on_model_forward_end(self, module, inputs, output):
+        if not _traced():
+            self.training_forward = False
+
     def _on_forward(self, act_row, out_row, module, inputs, output):
+        if _traced():                    # traced: stand down (nothing enters the graph)
+            self.traced = True
+            return
         if not self.capturing:
             return
+        self.module_forwards = True
         if act_row >= 0:
             t = first_tensor(output, True)
             if t is not None:
                 t.register_hook(functools.partial(self._on_activation_grad, act_row))
-        # outputs of training forwards only: not under no_grad (evaluation), not the recomputation that
-        # gradient checkpointing runs inside the backward
-        if out_row >= 0 and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        # outputs of training forwards only: not under no_grad (evaluation) unless inside a training call of the
+        # model (a reentrant checkpoint's forward runs under no_grad), not the recomputation that gradient
+        # checkpointing runs inside the backward
+        if (out_row >= 0 and (torch.is_grad_enabled() or self.training_forward)
+                and torch._C._current_graph_task_id() == -1):
             t = first_tensor(output, False)
             if t is not None:
                 self.counter.add(t, out_row)
@@ -158,6 +197,18 @@ class Capture:
             return args, dict(kwargs, closure=closure_then_count)
         return (args[0], closure_then_count) + tuple(args[2:]), kwargs
 
+    def _on_scaler_step(self, optimizer, optimizer_steps_before: int) -> None:
+        """After ``scaler.step(optimizer)``: if the optimizer did not step (skipped), count its weight gradients
+        now, unscaled and holding the inf/nan, before the loop can zero them in place."""
+        self.scaler_steps += 1
+        self.total_scaler_steps += 1
+        if self.capturing and self.total_optimizer_steps == optimizer_steps_before:
+            try:
+                optimizer = unwrap_optimizer(optimizer)
+            except TypeError:                                # not an optimizer we can read: rec.step() counts
+                return
+            self._count_weights(optimizer)
+
     def _count_weights(self, optimizer) -> None:
         rows = self._rows_of(optimizer)
         grads, todo = [], []
@@ -193,3 +244,36 @@ class Capture:
 
     def final_dtypes(self, initial: list) -> list:
         return [str(d) if d is not None else initial[i] for i, d in enumerate(self.dtypes)]
+
+
+class ScalerStepWatch:
+    """``scaler.step`` wrapped on the instance: calls the original, then ``capture._on_scaler_step(optimizer,
+    optimizer steps before the call)``. ``remove()`` puts back what was there (the class's method, or an
+    instance attribute someone set before), if it is still ours; a wrapper left in someone's hands after that
+    only passes through."""
+
+    def __init__(self, scaler, capture: Capture):
+        self.scaler, self.installed = scaler, True
+        self.before = vars(scaler).get("step")               # an instance attribute of someone else's, or None
+        original = scaler.step
+
+        @functools.wraps(original)
+        def step(optimizer, *args, **kwargs):
+            steps_before = capture.total_optimizer_steps
+            state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+            if state is not None and state.get("stage") is _UNSCALED:     # the loop clips (or reads) the gradients
+                capture.unscaled_before_step = True
+            result = original(optimizer, *args, **kwargs)
+            if self.installed:
+                capture._on_scaler_step(optimizer, steps_before)
+            return result
+        self.wrapper = step
+        scaler.step = step
+
+    def remove(self) -> None:
+        if vars(self.scaler).get("step") is self.wrapper:
+            if self.before is None:
+                del self.scaler.step
+            else:
+                self.scaler.step = self.before
+        self.installed = False

@@ -5,7 +5,8 @@ of histogram counts; nothing is read back until the ring is full. A flush copies
 preallocated host arrays (the only device->host sync) of at most ``max_bytes``: when they are
 full, every other recorded step is dropped in place (decimation) and ``every`` doubles. Host
 memory therefore stays within ``max_bytes`` for the histograms, plus the ring (at most
-``max_bytes / 16``; on the CPU the "device" is the host) and 24 bytes per step for the scalars::
+``max_bytes / 16``; on the CPU the "device" is the host) and at most 40 bytes per step for the scalars
+(16 in an array grown by doubling, 8 for the scheduler's epoch)::
 
     store = StepStore("cpu", n_tensors=3, flush_every=32, max_bytes=1 << 20, every=1)
     counter.target = store.slot()          # the counts row of the current recorded step
@@ -44,8 +45,8 @@ class StepStore:
         self.scalar_len = max(1, min(flush_every, 4096))
         self.scalars = torch.zeros(2, self.scalar_len, dtype=torch.float64, device=device)
         self.scalars_used = 0
-        self.loss: list[np.ndarray] = []
-        self.next_scale: list[np.ndarray] = []
+        self.host_scalars = np.empty((2, 0), dtype=np.float64)   # (2, capacity): loss, scale after update()
+        self.n_steps = 0                                           # steps whose scalars are on the host
         self.scheduler: list[int] = []
         self.n = 0                                  # histogram rows on the host
         self.counts = self.order = self.steps = None  # allocated at the first flush (pages on first touch)
@@ -92,8 +93,12 @@ class StepStore:
         n = self.scalars_used
         if n:
             host = self.scalars[:, :n].cpu().numpy()           # note: a device->host sync, once per flush
-            self.loss.append(host[0].copy())
-            self.next_scale.append(host[1].copy())
+            if self.n_steps + n > self.host_scalars.shape[1]:  # grown by doubling: appends cost O(1) each
+                grown = np.empty((2, max(2 * self.host_scalars.shape[1], self.n_steps + n, 64)), dtype=np.float64)
+                grown[:, :self.n_steps] = self.host_scalars[:, :self.n_steps]
+                self.host_scalars = grown
+            self.host_scalars[:, self.n_steps:self.n_steps + n] = host
+            self.n_steps += n
             self.scalars_used = 0
 
     def flush_counts(self, counter) -> None:
@@ -151,23 +156,29 @@ class StepStore:
                       f"{self.every}th step from now on", AmpvizWarning, stacklevel=self.stacklevel)
 
     # ------------------------------------------------------------------ the result
-    def arrays(self, init_scale: float, skip_by_scale: bool, copy: bool, hist_after: int = -1) -> dict:
+    def arrays(self, init_scale: float, skip_by_scale: bool, copy: bool, hist_after: int = -1,
+               steps_from: int = 0, rows_from: int = 0) -> dict:
         """Host arrays of everything flushed so far. ``copy=False`` returns views of the store (for the final
         run: no second copy of the histograms); a snapshot of an open recorder needs ``copy=True``. Only the
-        histograms of steps after ``hist_after`` are included (every step's scalars always are)."""
-        nxt = np.concatenate(self.next_scale) if self.next_scale else np.zeros(0)
-        used = np.concatenate([[init_scale], nxt[:-1]]) if nxt.size else np.zeros(0)
-        loss = np.concatenate(self.loss) if self.loss else np.zeros(0)
+        histograms of steps after ``hist_after`` are included (every step's scalars always are). A save of
+        what is new asks for the steps from ``steps_from`` and the histogram rows from ``rows_from`` on."""
+        a, n = steps_from, self.n_steps
+        loss, nxt = self.host_scalars[0, a:n], self.host_scalars[1, a:n]
+        previous = init_scale if a == 0 else self.host_scalars[1, a - 1]
+        used = np.concatenate([[previous], nxt[:-1]]) if nxt.size else np.zeros(0)
+        if copy:
+            loss, nxt = loss.copy(), nxt.copy()
         if self.counts is None:
             counts = np.zeros((0, self.n_tensors, NBINS), dtype=np.int64)
             order = np.zeros((0, self.n_tensors), dtype=np.int32)
             steps = np.zeros(0, dtype=np.int64)
         else:
-            first = int(np.searchsorted(self.steps[:self.n], hist_after, side="right")) if hist_after >= 0 else 0
-            counts, order, steps = (a[first:self.n] for a in (self.counts, self.order, self.steps))
+            first = int(np.searchsorted(self.steps[:self.n], hist_after, side="right")) if hist_after >= 0 \
+                else min(rows_from, self.n)
+            counts, order, steps = (x[first:self.n] for x in (self.counts, self.order, self.steps))
             if copy:
                 counts, order, steps = counts.copy(), order.copy(), steps.copy()
-        return {"steps": np.arange(nxt.size), "loss": loss, "loss_scale": used, "next_scale": nxt,
+        return {"steps": np.arange(a, max(a, n)), "loss": loss, "loss_scale": used, "next_scale": nxt,
                 "skipped": (nxt < used) if skip_by_scale else np.zeros(nxt.size, dtype=bool),
                 "hist_steps": steps, "counts": counts, "grad_order": order,
-                "scheduler_steps": np.asarray(self.scheduler[:nxt.size], dtype=np.int64)}
+                "scheduler_steps": np.asarray(self.scheduler[a:n], dtype=np.int64)}

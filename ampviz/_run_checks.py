@@ -17,8 +17,10 @@ from numbers import Integral, Real
 import numpy as np
 
 from ._counting import NBINS
-from ._runfile import RunFileError, _show
+from ._runfile import RunFileError
+from ._runfile import show as _show
 from ._warnings import AmpvizWarning
+from .replay.policies import _RULES as SCALER_RULES
 
 # what a counts row holds: a parameter's gradient (after all-reduce, unscaled), the gradient w.r.t. a
 # module's output (scaled), a parameter's local gradient before DDP's all-reduce (scaled), a module's
@@ -157,9 +159,10 @@ def _scaler_problems(scaler) -> list[str]:
         return []
     if not isinstance(scaler, dict):
         return [f"scaler: expected a dict of GradScaler settings or null, got {_show(scaler)}"]
-    for key in ("init_scale", "growth_factor", "backoff_factor"):
-        if key in scaler and not (_finite_number(scaler[key]) and scaler[key] > 0):
-            return [f"scaler.{key}: expected a positive finite number, got {_show(scaler[key])}"]
+    for key in ("init_scale", "growth_factor", "backoff_factor"):     # the ranges a replay of them accepts
+        ok, valid = SCALER_RULES[key]
+        if key in scaler and not (_finite_number(scaler[key]) and ok(scaler[key], None)):
+            return [f"scaler.{key}: expected {valid}, got {_show(scaler[key])}"]
     if "growth_interval" in scaler and not (is_int(scaler["growth_interval"]) and scaler["growth_interval"] >= 1):
         return [f"scaler.growth_interval: expected an integer >= 1, got {_show(scaler['growth_interval'])}"]
     return []
@@ -168,6 +171,22 @@ def _scaler_problems(scaler) -> list[str]:
 def value_problems(run) -> list[str]:
     """Ranges of the values: counts non-negative and summable in int64, scales not nan or negative,
     backward positions within the tensors. Reads every count once."""
+    return scale_problems(run) + histogram_problems(run)
+
+
+def scale_problems(run) -> list[str]:
+    """Loss scales not nan or negative."""
+    problems = []
+    for name in ("loss_scale", "next_scale"):
+        values = np.asarray(getattr(run, name), dtype=np.float64)
+        if values.size and not (values >= 0).all():
+            bad = values[~(values >= 0)][0]
+            problems.append(f"{name}: expected scales >= 0, found {bad}")
+    return problems
+
+
+def histogram_problems(run) -> list[str]:
+    """Counts non-negative and summable in int64, backward positions within the tensors."""
     problems = []
     counts = run.counts
     if counts.size:
@@ -178,11 +197,6 @@ def value_problems(run) -> list[str]:
                             f"tensor {_show(run.tensor_names[t])}, bin {b})")
         elif counts.sum(dtype=np.float64) >= _COUNT_LIMIT:
             problems.append("counts: the counts add up beyond 2**62 (int64 sums would overflow); not real histograms")
-    for name in ("loss_scale", "next_scale"):
-        values = np.asarray(getattr(run, name), dtype=np.float64)
-        if values.size and not (values >= 0).all():
-            bad = values[~(values >= 0)][0]
-            problems.append(f"{name}: expected scales >= 0, found {bad}")
     if run.grad_order is not None and run.grad_order.size:
         lo, hi = int(run.grad_order.min()), int(run.grad_order.max())
         if lo < -1 or hi >= len(run.tensor_names):
@@ -197,6 +211,32 @@ def problem_text(problems: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------- merging ranks
+def merge_plan(runs) -> tuple:
+    """(runs sorted by rank, steps, hist_steps, merged metadata) of single-rank runs to merge: the same
+    tensors and domains, distinct ranks, lined up on the steps they share (see ``aligned_steps``)."""
+    runs = sorted(runs, key=lambda r: r.ranks[0])
+    first = runs[0]
+    ranks = [r.ranks[0] for r in runs]
+    if len(set(ranks)) != len(ranks):
+        raise RunFileError(f"merge: duplicate ranks {ranks}")
+    for r in runs[1:]:
+        for name in ("tensor_names", "tensor_kinds"):
+            if getattr(r, name) != getattr(first, name):
+                raise RunFileError(f"merge: rank {r.ranks[0]} recorded other {name} than rank {ranks[0]}")
+        if r.meta.get("domains", {}) != first.meta.get("domains", {}):
+            raise RunFileError(f"merge: rank {r.ranks[0]} stored its counts in other domains than rank "
+                               f"{ranks[0]}: {r.meta.get('domains')} vs {first.meta.get('domains')}")
+    steps, hist_steps = aligned_steps(runs)
+    world = first.meta.get("world_size", len(runs))
+    if is_int(world) and len(runs) < world:
+        warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=4)
+    meta = dict(first.meta, ranks=ranks)
+    everies = [r.meta.get("every") for r in runs]
+    if all(is_int(e) for e in everies):
+        meta["every"] = max(everies)
+    return runs, steps, hist_steps, meta
+
+
 def aligned_steps(runs) -> tuple:
     """(steps, hist_steps) every rank recorded; warns when a rank loses some, refuses when none are shared."""
     out = []

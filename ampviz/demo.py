@@ -62,7 +62,7 @@ def train_demo(steps: int = DEMO_STEPS, device: str = "auto", seed: int = 0, pat
     ----------
     steps : number of optimizer steps (>= 1).
     device : "auto", "cpu" or "cuda".
-    seed : seeds the model's initialisation and the batch order.
+    seed : seeds the model's initialisation and the batch order (0 to 2**32 - 1).
     path : if given, the run is also saved there (a ``.npz`` file).
     every : record histograms every ``every`` steps (the loss-scale trace keeps every step).
     progress : show a tqdm progress bar.
@@ -77,6 +77,7 @@ def train_demo(steps: int = DEMO_STEPS, device: str = "auto", seed: int = 0, pat
     """
     for name, value in (("steps", steps), ("every", every)):
         check_int(name, value, low=1)
+    check_int("seed", seed, low=0, high=2 ** 32 - 1)
     dev = resolve_device(device)
     s = DEMO_SETTINGS
     data = digits(seed=0).to(dev)
@@ -102,6 +103,7 @@ def write_demo(out, steps: int = DEMO_STEPS, device: str = "auto", seed: int = 0
     """
     # the report needs plotly (the [viz] extra): imported here, so train_demo does not
     from .report import summary_rows, write_report
+    check_int("seed", seed, low=0, high=2 ** 32 - 1)          # before anything is created
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"-o/--output: {out} exists and is not a directory")

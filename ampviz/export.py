@@ -39,7 +39,7 @@ import numpy as np
 
 from . import histogram as H
 from ._args import check_choice
-from ._extras import MissingExtra
+from ._extras import MissingExtra, Unavailable
 from .run import VIEWS, Run
 
 __all__ = ["to_tensorboard", "to_wandb", "log2_buckets", "LiveExport", "SPECIALS"]
@@ -173,6 +173,17 @@ def _import_wandb():
     return wandb
 
 
+def _start_wandb(wandb, **settings):
+    """``wandb.init(**settings)``; W&B's own refusal (no login, no network) as one line saying what to do."""
+    try:
+        return wandb.init(**settings)
+    except Exception as e:                     # noqa: BLE001 - wandb.errors.* and whatever its backend raises
+        first = " ".join(str(e).split())[:160] or type(e).__name__
+        raise Unavailable(f"W&B could not start a run ({type(e).__name__}: {first}). Log in with `wandb login` "
+                          "(or set WANDB_API_KEY), or set WANDB_MODE=offline to write the run locally and "
+                          "`wandb sync` it later") from None
+
+
 class _WandbWriter:
     def __init__(self, wandb_run, prefix):
         self.wandb = _import_wandb()
@@ -198,7 +209,7 @@ def to_wandb(run: Run, wandb_run=None, *, domain: str = "recorded", prefix: str 
     target = wandb_run if wandb_run is not None else wandb.run
     started = target is None
     if started:
-        target = wandb.init(project=project, config={"ampviz": run.meta})
+        target = _start_wandb(wandb, project=project, config={"ampviz": run.meta})
     try:
         for r, rank in enumerate(run.ranks):
             rank_prefix = prefix if len(run.ranks) == 1 else f"{prefix}_rank{rank}"
@@ -269,7 +280,7 @@ class LiveExport:
             wandb = _import_wandb()
             target = self._wandb if self._wandb is not True else wandb.run
             if target is None:
-                target = self._wb_started = wandb.init(project="ampviz")
+                target = self._wb_started = _start_wandb(wandb, project="ampviz")
             self._wb = _WandbWriter(target, self.prefix)
 
     def close(self) -> None:

@@ -22,25 +22,39 @@ What is stored, and in which domain:
   accumulated micro-batch, after DDP's all-reduce, after any clipping); with ``step(closure)``
   (LBFGS, SAM, Lightning without a scaler) once the closure's first call has run the backward.
   A step the scaler skips never reaches the optimizer (a fused one's step runs and skips inside: counted
-  in the pre-hook as above); its gradients (unscaled in place by
-  ``scaler.step``, containing the inf/nan) are read at ``rec.step()`` from references kept when
-  autograd last accumulated them, so zeroing with ``set_to_none=True`` before ``rec.step()`` is fine.
+  in the pre-hook as above); its gradients (unscaled in place by ``scaler.step``, containing the inf/nan)
+  are counted when the given scaler's ``step`` returns, before the loop can zero them, also in place
+  (``zero_grad(set_to_none=False)``); a loop that skips by itself has them read at ``rec.step()``.
   Under FSDP2 each rank counts its shard: the ranks' counts add up to the full gradient's.
 * activation gradients, the gradient w.r.t. each chosen module's output, **scaled**: exactly as
   the backward computed them (in fp16 under fp16 autocast, multiplied by the loss scale).
   Micro-batches of one step add up.
 * forward outputs (``outputs=``, off by default), in the dtype autocast produced, **unscaled**
   (the loss scale never reaches the forward): where a forward overflow shows. Forwards under
-  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted.
+  ``no_grad`` (evaluation) and checkpointing's recomputation are not counted; a reentrant checkpoint's
+  forward, which runs under ``no_grad`` inside a training call of the model, is.
 * per step: the loss you pass, the loss scale the step used, the scale after ``update()``,
   whether the step was skipped (the scale went down), and the LR scheduler's ``last_epoch``;
   per recorded step the order in which each gradient was counted in the step's first backward.
 
+The GradScaler's ``step`` is wrapped on the instance while recording (put back on exit): it is how a
+skipped step's gradients are counted in time, and how a scaler the loop never uses is noticed (a warning).
+Under torch.compile give the Recorder the compiled model: hooks that find themselves traced by a compile it
+was not told about (the loop calls ``torch.compile(model)``) stand down, so training is unchanged, and the next
+``rec.step()`` says that activations are not recorded; modules compiled in place after ``Recorder(...)`` was
+made get no hook at ``with recorder:`` (a warning).
+
 Cost: keys and counts stay on the device; there is no host sync per tensor. The counts are
 copied to the host once every ``flush_every`` recorded steps. Host memory stays within
-``max_bytes`` (plus ``max_bytes / 16`` for the ring and 24 bytes per step) by **decimation**: when
-the histograms fill it, every other recorded step is dropped and ``every`` doubles
+``max_bytes`` (plus ``max_bytes / 16`` for the ring and about 40 bytes per step) by **decimation**:
+when the histograms fill it, every other recorded step is dropped and ``every`` doubles
 (``run.meta["decimated"]`` says how often).
+
+Saving: with ``path``, the run reaches the disk while it is recorded, every ``save_every`` seconds
+(default 60) and/or every ``save_every_steps`` steps, at a ``rec.step()``: a save appends the steps
+recorded since the previous one (``ampviz._runwrite``), so it costs what is new, not the whole run,
+and a crash, a ``kill -9`` or a dead torchrun peer loses at most the last interval. A save is never
+cut short: a Ctrl-C or SIGTERM that arrives during one takes effect once the file is complete.
 """
 
 from __future__ import annotations
@@ -55,8 +69,9 @@ import torch.nn as nn
 from . import __version__
 from ._args import check_int
 from ._counting import make_counter
-from ._record_guard import SaveOnTerm, StepChecks, check_path, model_changes, rank_file
+from ._record_guard import SaveOnTerm, StepChecks, check_path, held_signals, model_changes, rank_file
 from ._record_hooks import Capture
+from ._record_save import Saver, check_save_every
 from ._record_store import StepStore
 from ._record_targets import (
     attention_in_place_of_out_proj,
@@ -94,7 +109,8 @@ class Recorder:
         regex on module names, a list of names, or a callable ``(name, module) -> bool``. A module's output
         may be a tensor, or a tuple, list, dict or ``ModelOutput``: its first floating-point tensor counts.
         Under ``torch.compile`` activation capture is off (a hook would add graph breaks and change
-        training): the default says so in a warning, an explicit choice is an error.
+        training): ``True`` (the default) records none and says so in a warning; naming modules (a regex,
+        list or callable) is an error, as is any ``outputs=`` choice.
     outputs : record forward outputs (kind "output", rows named ``"<module> [output]"``): True (the modules
         ``activations=True`` picks), False (default), or a regex / list / callable as for ``activations``.
     local_weights : under DDP, also record each rank's *local* weight gradients, before the
@@ -107,10 +123,15 @@ class Recorder:
     flush_every : recorded steps buffered on the device between host copies (capped so the buffer
         stays within ``max_bytes / 16``).
     max_bytes : bound on the host memory of the histograms (decimation beyond it).
-    path : where the run is saved (atomically) on exit, also when the loop raises or on SIGTERM: a file
-        ending in ``.npz`` (under DDP each rank writes ``<stem>.rank{r}.npz`` beside it), or a
-        directory, which receives ``rank{r}.npz``. Checked here: a path that could never be written
-        is an error now, not after training.
+    path : where the run is saved while it is recorded (see ``save_every``) and on exit, also when the loop
+        raises or on SIGTERM: a file ending in ``.npz`` (under DDP each rank writes ``<stem>.rank{r}.npz``
+        beside it), or a directory (an existing one whatever its name, or a new name without a dot),
+        which receives ``rank{r}.npz``. Checked here: a path that could never be written is an error
+        now, not after training.
+    save_every : with ``path``, also save every this many seconds (default 60), at the first ``rec.step()``
+        after they have passed; None: not by time. A save appends what was recorded since the previous
+        one: a crash loses at most the last interval.
+    save_every_steps : with ``path``, also save every this many steps; None (default): not by steps.
     enabled : False makes the recorder a no-op (no hooks), like ``autocast(enabled=False)``.
     compiled_by : where a framework runs ``model`` under torch.compile through a wrapper the Recorder never
         sees, the setting that does it (e.g. ``"TrainingArguments(torch_compile=True)"``): the rules above for
@@ -119,7 +140,8 @@ class Recorder:
 
     def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, outputs=False,
                  local_weights=False, scheduler=None, every: int = 1, flush_every: int = 32,
-                 max_bytes: int = 256 << 20, path=None, enabled: bool = True, compiled_by: str | None = None):
+                 max_bytes: int = 256 << 20, path=None, save_every: float | None = 60.0,
+                 save_every_steps: int | None = None, enabled: bool = True, compiled_by: str | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.optimizer, self.scheduler = unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
@@ -128,6 +150,7 @@ class Recorder:
         for name, value in (("every", every), ("flush_every", flush_every), ("max_bytes", max_bytes)):
             check_int(name, value, low=1)
         self.enabled, self.path = bool(enabled), check_path(path)
+        self.save_every, self.save_every_steps = check_save_every(save_every, save_every_steps)
         self._given = model
         if compiled_by is not None and not (isinstance(compiled_by, str) and compiled_by):
             raise TypeError(f"compiled_by: expected the setting that compiles the model, as a non-empty str, or "
@@ -160,10 +183,8 @@ class Recorder:
         self.tensor_kinds = (["weight"] * len(watched) + ["activation"] * len(self._activations)
                              + ["output"] * len(self._outputs)
                              + (["weight_local"] * len(watched) if self._local else []))
-        dtypes = [str(p.dtype) for _, p in self._params]
-        self._dtypes = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         self._open = self._closed = False
-        self._run = None
+        self._run = self._saver = None
         self._term = SaveOnTerm()
 
     def _modules_for(self, spec, argname: str) -> list:
@@ -221,10 +242,12 @@ class Recorder:
             what = f"saving the run to {self.path}" if self.path is not None else "closing the recorder"
             kept = ("it is still in recorder.run: save it elsewhere with recorder.run.save(path)"
                     if self._run is not None else "what was recorded is lost")
+            if self.saved is not None:
+                kept += f" (the file holds the {self.saved[1]} steps of the last save)"
             note = f"ampviz: {what} also failed ({type(close_error).__name__}: {close_error}); {kept}"
-            if hasattr(exc, "add_note"):
+            if hasattr(exc, "add_note") and isinstance(exc, Exception):
                 exc.add_note(note)
-            else:                                 # pragma: no cover - Python 3.10
+            else:                                 # SystemExit prints no traceback, so no notes; Python 3.10
                 print(note, file=sys.stderr)
         return False
 
@@ -238,17 +261,19 @@ class Recorder:
         self._closed, self._open = True, False
         if not self.enabled:
             return
-        self._teardown()
-        self._flush()
-        self._run = self._build_run(final=True)
-        if not failing:
-            self._checks.at_close(self._step, self._capture.total_optimizer_steps, self._forwards)
-            problems = [p for p in self._model_changes() if p not in self._changes_seen]
-            if problems:
-                warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those rows "
-                              f"stopped filling", AmpvizWarning, stacklevel=3)
-        if self.path is not None:
-            self._run.save(rank_file(self.path, self._world, self._rank))
+        self._term.restore()                      # the handler of before; signals wait until the save is done
+        with held_signals(f"saving the run to {self._saver.target}" if self._saver else "closing the recorder"):
+            self._teardown()
+            self._flush()
+            self._run = self._build_run(final=True)
+            if self._saver is not None:
+                self._saver.save(self._store, self._step, self._file_meta(), self._file_arrays)
+            if not failing:
+                self._checks.at_close(self._step, self._capture, self._forwards)
+                problems = [p for p in self._model_changes() if p not in self._changes_seen]
+                if problems:
+                    warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those "
+                                  f"rows stopped filling", AmpvizWarning, stacklevel=3)
 
     def _teardown(self) -> None:
         capture = getattr(self, "_capture", None)
@@ -267,6 +292,11 @@ class Recorder:
             self._counter.wait()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+    @property
+    def saved(self):
+        """``(file, steps)`` of the last save that completed (periodic or on exit), or None: what is on disk."""
+        return None if self._saver is None else self._saver.saved
 
     @property
     def run(self) -> Run:
@@ -301,17 +331,35 @@ class Recorder:
                                 stacklevel=6)
         self._capture = Capture(self._params, self._activations, self._outputs, self._local, self._counter,
                                 self._ddp)
+        late = self._compiled_since()
         self._counter.target = self._store.slot()
-        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params))
+        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params),
+                                  watched=len(set(self._capture.watched) - late),
+                                  compiled=self._compiled_anywhere or bool(late))
         self._step, self._forwards, self._changes_seen = 0, 0, []
         self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
         self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
         self._created = time.time()
         # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
         root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
-        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None)
+        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler, skip=late)
         if self.path is not None:
+            self._saver = Saver(rank_file(self.path, self._world, self._rank), self.save_every,
+                                self.save_every_steps)
             self._term.install()
+
+    def _compiled_since(self) -> set:
+        """ids of watched modules compiled after Recorder(...) was made (``model.compile()``): no hook goes on them,
+        since even a hook that does nothing changes how torch.compile splits an in-place compiled module's graph."""
+        late = {i for i in compiled_modules(self.model) if i in self._capture.watched}
+        if late and self.enabled:
+            names = [n for n, m in self._activations + self._outputs if id(m) in late]
+            warnings.warn(f"Recorder: the model was compiled after Recorder(...) was made, so {len(late)} watched "
+                          f"modules now run under torch.compile ({', '.join(list(dict.fromkeys(names))[:3])}): a hook "
+                          f"on them would change the compiled graph and training, so their activation gradients and "
+                          f"outputs are not recorded (weight gradients are). Make the Recorder once the model is "
+                          f"compiled, with activations=False.", AmpvizWarning, stacklevel=4)
+        return late
 
     def _model_changes(self) -> list:
         modules = dict(self._activations + self._outputs)
@@ -328,7 +376,7 @@ class Recorder:
         capture = self._capture
         epoch = None if self.scheduler is None else self.scheduler.last_epoch
         self._store.put_scalars(loss, self.scaler, epoch)
-        self._checks.at_step(capture.optimizer_steps)
+        self._checks.at_step(capture)
         if capture.capturing:
             capture.finish_step()
             self._store.end_row(self._step, capture.order, self._counter)
@@ -342,19 +390,42 @@ class Recorder:
         self.every = self._store.every                     # decimation may have doubled it
         capture.new_step()
         capture.capturing = self._step % self.every == 0
+        if self._saver is not None and self._saver.due(self._step):
+            self._flush()                                  # note: a device->host sync, once per save
+            self._saver.periodic(self._store, self._step, self._file_meta(), self._file_arrays)
+
+    # ------------------------------------------------------------------ saving
+    def _file_arrays(self, steps_from: int, rows_from: int) -> dict:
+        """The arrays of the rank file (views of the store) from step ``steps_from`` and histogram row
+        ``rows_from`` on."""
+        a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=False, steps_from=steps_from,
+                               rows_from=rows_from)
+        names = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts", "grad_order")
+        return {k: a[k] for k in names + (("scheduler_steps",) if self.scheduler is not None else ())}
+
+    def _file_meta(self) -> dict:
+        meta = dict(self._meta(), rank=self._rank, tensor_names=list(self.tensor_names),
+                    tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes))
+        meta.pop("ranks")
+        return meta
 
     def _flush(self) -> None:
         self._store.flush_counts(self._counter)
         self._store.flush_scalars()
 
     # ------------------------------------------------------------------ the run
+    def _skip_by_scale(self) -> bool:
+        return self.scaler is not None and self.scaler.get_backoff_factor() < 1
+
     def _build_run(self, final: bool, hist_after: int = -1) -> Run:
-        skip_by_scale = self.scaler is not None and self.scaler.get_backoff_factor() < 1
-        a = self._store.arrays(self._prev_scale, skip_by_scale, copy=not final, hist_after=hist_after)
+        a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
+        # weight rows: the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes them)
+        dtypes = [str(p.dtype) for _, p in self._params]
+        initial = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
-                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes),
+                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(initial),
                    meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
 
     def _meta(self) -> dict:
@@ -367,5 +438,9 @@ class Recorder:
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
+                # the loop called scaler.unscale_(opt) before scaler.step(opt) (to clip): the doctor reads clipped
+                # weight gradients of skipped steps as such only then
+                "unscaled_before_step": None if sc is None else self._capture.unscaled_before_step,
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
                 "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start}}
+

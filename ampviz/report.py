@@ -25,6 +25,8 @@ import numpy as np
 from . import __version__
 from . import histogram as H
 from ._files import atomic_write
+from ._text import lone_surrogate, printable
+from ._zipread import holds_run
 from .formats import get_format
 from .run import Run
 
@@ -86,15 +88,33 @@ def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
     domains = run.meta.get("domains", {})
     rows.append(("tensors", f"{s['tensors']}: " + ", ".join(
         f"{n} {k} gradients ({domains.get(k, 'unscaled')})" for k, n in kinds.items())))
+    flushed = _flushed_text(s["flushed_in_backward"])
     rows.append((f"{fmt.name} at the recorded scale",
-                 f"worst flushed to zero {_worst(s['worst_flushed_fraction'], s['worst_flushed_tensor'])}; "
-                 f"worst overflow {_worst(s['worst_overflow_fraction'], s['worst_overflow_tensor'])}"))
+                 (flushed if flushed and fmt.name == "fp16" else
+                  f"worst flushed to zero {_worst(s['worst_flushed_fraction'], s['worst_flushed_tensor'])}")
+                 + f"; worst overflow {_worst(s['worst_overflow_fraction'], s['worst_overflow_tensor'])}"))
+    if flushed and fmt.name != "fp16":
+        rows.append(("fp16 backward", flushed))
     if not (constant and s["scale_min"] == 1.0):          # with no scaling at all, the row above says it
         frac, name = worst_without_scaling(run, fmt)
         rows.append((f"{fmt.name} without scaling", f"worst flushed to zero {_worst(frac, name)}"))
     if "demo" in run.meta:
         rows.append(("test accuracy", f"{100 * run.meta['demo']['test_accuracy']:.1f}% (ampviz demo)"))
     return rows
+
+
+def _flushed_text(flushed: list) -> str:
+    """What the zeros of tensors that fp16 flushed inside the backward are (``Run.summary()["flushed_in_backward"]``);
+    "" when none."""
+    if not flushed:
+        return ""
+    x = flushed[0]
+    n, judged = len(x["steps"]), x["judged_steps"]
+    worst = (f"{x['tensor']} all zeros at {n} of {judged} steps" if x["all_zero_steps"] == n else
+             f"{x['tensor']} at fp16's floor at {n} of {judged} steps ({_percent(x['zero_share'])} exact zeros)")
+    more = len(flushed) - 1
+    return (f"flushed inside the fp16 backward, stored as exact zeros: {worst}"
+            + (f", and {more} more tensor{'s' if more != 1 else ''}" if more else "") + " (see ampviz doctor)")
 
 
 def _worst(fraction: float, tensor) -> str:
@@ -192,6 +212,8 @@ def report_html(runs, labels=None, format="fp16", title: str = "ampviz report") 
     if len(labels) != len(runs):
         raise ValueError(f"labels: expected {len(runs)} labels (one per run), got {len(labels)}")
     fmt = get_format(format)
+    title = _shown_text("title", title)
+    labels = [_shown_text(f"labels[{i}]", lab) for i, lab in enumerate(labels)]
     nav = "".join(f'<a href="#run{i}">{html.escape(lab)}</a>' for i, lab in enumerate(labels))
     body = "".join(_run_section(run, lab, fmt, f"run{i}") for i, (run, lab) in enumerate(zip(runs, labels)))
     made = time.strftime("%Y-%m-%d %H:%M")
@@ -202,16 +224,42 @@ def report_html(runs, labels=None, format="fp16", title: str = "ampviz report") 
             f'them (scaled).</p>' + (f"<nav>{nav}</nav>" if len(runs) > 1 else "") + body + "</body></html>")
 
 
+def _shown_text(name: str, text) -> str:
+    """``text`` for the page: control and bidi characters escaped; a lone surrogate (bytes that were not
+    UTF-8, e.g. a non-UTF-8 title on the command line) refused, naming ``name``."""
+    text = str(text)
+    bad = lone_surrogate(text)
+    if bad and name == "title":
+        raise ValueError(f"title: '{printable(text)}' holds {bad}, a byte that is not UTF-8 text; give the title "
+                         "as UTF-8 text")
+    return printable(text)                    # a label is a path: a non-UTF-8 file name is shown escaped
+
+
+def check_output(path, name: str = "path") -> Path:
+    """``path`` as a Path if a report may be written there: not a directory, not a file holding an ampviz
+    run (a report never replaces a run), not a name ending in ``.npz`` (the ending of run files). Errors
+    name the argument ``name``."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{name}: {printable(path)} is a directory; give the HTML file to write, e.g. "
+                         f"{printable(path / 'report.html')}")
+    if holds_run(path):
+        raise ValueError(f"{name}: {printable(path)} holds an ampviz run; a report never replaces a run, give "
+                         "another file name")
+    if path.suffix.lower() == ".npz":
+        raise ValueError(f"{name}: {printable(path)} ends in .npz, the ending of run files; give an .html file")
+    return path
+
+
 def write_report(runs, path, labels=None, format="fp16", title: str = "ampviz report") -> Path:
-    """Write :func:`report_html` to ``path`` atomically (parent directories are created).
+    """Write :func:`report_html` to ``path`` atomically (parent directories are created). A path that is a
+    directory, ends in ``.npz`` or holds an ampviz run is refused (:func:`check_output`).
 
     Returns
     -------
     Path of the written file.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"path: {path} is a directory; give the HTML file to write")
+    path = check_output(path)
     page = report_html(runs, labels=labels, format=format, title=title)
     atomic_write(path, lambda f: f.write(page), text=True)
     return path
@@ -277,6 +325,7 @@ SMALL_MULTIPLES = 24        # per-tensor panels drawn at most; a run with more t
 
 def _tensor_parts(run: Run, fmt, anchor: str, row: int, log2_scale: int) -> list[str]:
     """Small multiples of every tensor; with more than SMALL_MULTIPLES, a map of all and multiples of the worst."""
+    from .doctor import flushed_in_backward
     from .plots import layer_histograms_figure, tensor_map_figure
     counts, names = run.counts_at(row), run.tensor_names                       # (T, NBINS)
     step = int(run.hist_steps[row])
@@ -287,8 +336,15 @@ def _tensor_parts(run: Run, fmt, anchor: str, row: int, log2_scale: int) -> list
         fate = H.fate(counts, fmt, log2_scale=log2_scale)
         lost = fate.fraction("flushed") + fate.fraction("overflow")            # (T,)
         picked = sorted(np.argsort(-lost, kind="stable")[:SMALL_MULTIPLES].tolist())
+        flushed = [x["tensor"] for x in flushed_in_backward(run) if step in x["steps"]]
         what = (f"the {SMALL_MULTIPLES} that lose the largest share to {fmt.name} (flushed or overflowed)"
-                if lost.max() > 0 else f"none loses a value to {fmt.name}; the first {SMALL_MULTIPLES}")
+                if lost.max() > 0 else
+                f"the {min(len(flushed), SMALL_MULTIPLES)} whose values the fp16 backward had already flushed to "
+                f"exact zeros, then the first others" if flushed else
+                f"none loses a value to {fmt.name}; the first {SMALL_MULTIPLES}")
+        if not lost.max() > 0 and flushed:                 # the recorded values lose nothing more: show the flushed
+            first = [names.index(n) for n in flushed[:SMALL_MULTIPLES]]
+            picked = sorted(first + [t for t in range(len(names)) if t not in first][:SMALL_MULTIPLES - len(first)])
         parts += [_note(f"{len(names)} tensors: one row each in the map (hover for names), then {what}, in "
                         "recording order."), _figure_html(fig, f"{anchor}-tensor-map")]
     fig = layer_histograms_figure(counts[picked], [names[i] for i in picked], fmt, log2_scale,

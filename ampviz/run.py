@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _run_checks as checks
-from . import _runfile
+from . import _runfile, _runwrite
 from . import histogram as H
 from ._args import check_choice
 from ._fate_rows import fate_rows
@@ -253,7 +253,10 @@ class Run:
         return H.Fate(**{f: v.reshape(R, Hn, T) for f, v in fields.items()})
 
     def summary(self, format="fp16") -> dict:
-        """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``)."""
+        """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``) of the recorded
+        values, and ``flushed_in_backward``: the tensors whose values fp16 already flushed inside the backward,
+        stored as exact zeros, which no cast of the recorded values can count (see ``ampviz.doctor``)."""
+        from .doctor import flushed_in_backward  # lazily: ampviz.doctor imports this module
         fate = self.fate_in(format, "scaled")
         flushed, overflow = fate.fraction("flushed"), fate.fraction("overflow")     # (R, H, T)
         wu, wo = self._worst(flushed), self._worst(overflow)
@@ -264,7 +267,8 @@ class Run:
                 "tensors": len(self.tensor_names),
                 "worst_flushed_fraction": wu[0], "worst_flushed_tensor": wu[1],
                 "worst_overflow_fraction": wo[0], "worst_overflow_tensor": wo[1],
-                "format": str(format), "device": self.meta.get("device"), "scaler": self.meta.get("scaler")}
+                "format": str(format), "device": self.meta.get("device"), "scaler": self.meta.get("scaler"),
+                "flushed_in_backward": flushed_in_backward(self)}
 
     def _worst(self, fractions: np.ndarray):
         """(largest fraction, name of its tensor) of an (R, H, T) array."""
@@ -295,18 +299,19 @@ class Run:
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> list[Path]:
-        """Write one ``.npz`` per rank, atomically. One rank: ``path`` is the file (".npz" added);
-        several: ``path`` is a directory that receives ``rank{r}.npz``. Returns the paths written."""
+        """Write one ``.npz`` per rank, atomically. One rank: ``path`` is the file (".npz" appended when it
+        has another ending), or an existing directory; several ranks, or a directory: ``path`` receives
+        ``rank{r}.npz``. Returns the paths written."""
         path = Path(path)
-        if len(self.ranks) == 1:
-            target = path if path.suffix == ".npz" else path.with_suffix(".npz")
-            _runfile.write(target, *self._rank_payload(0))
+        if len(self.ranks) == 1 and not path.is_dir():
+            target = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+            _runwrite.write(target, *self._rank_payload(0))
             return [target]
         path.mkdir(parents=True, exist_ok=True)
         out = []
         for i, r in enumerate(self.ranks):
             out.append(path / f"rank{int(r)}.npz")         # ranks are validated integers: the file stays in path
-            _runfile.write(out[-1], *self._rank_payload(i))
+            _runwrite.write(out[-1], *self._rank_payload(i))
         return out
 
     @classmethod
@@ -314,24 +319,16 @@ class Run:
         """Load a run file, or a directory of per-rank run files merged along a rank axis.
 
         Files are treated as untrusted: only regular files are read, every entry's declared size and
-        shape is checked before it is inflated (at most 2 GiB of arrays per file; set the environment
-        variable ``AMPVIZ_MAX_RUN_BYTES`` to allow more), no pickle is ever loaded, and every field is
-        validated (:meth:`_validate`). Any problem is a :class:`RunFileError` of one line naming the
-        file and the field.
+        shape is checked before it is inflated, no pickle is ever loaded, and every field is validated
+        (:meth:`_validate`). The whole load (every rank file of a directory) holds at most 2 GiB of
+        arrays (set the environment variable ``AMPVIZ_MAX_RUN_BYTES`` to allow more); the ranks are
+        inflated straight into the merged arrays, without a second copy. Any problem is a
+        :class:`RunFileError` of one line naming the file and the field. A file whose last periodic
+        save was cut off (the process was killed mid-save) loads as it was saved before that, with a
+        warning.
         """
-        path = Path(path)
-        if path.is_dir():
-            files = sorted(path.glob("*.npz"))
-            if not files:
-                raise RunFileError(f"{path}: directory holds no .npz run files")
-            runs = [cls._from_file(f) for f in files]
-            try:
-                return cls.merge(runs)
-            except RunFileError as e:
-                raise RunFileError(f"{path}: {e}") from None
-        if not path.exists() and not path.is_symlink():
-            raise RunFileError(f"{path}: no such file or directory")
-        return cls._from_file(path)
+        from ._runload import load
+        return load(path)
 
     @classmethod
     def merge(cls, runs: list) -> Run:
@@ -341,22 +338,7 @@ class Run:
         recorded histograms with another ``every`` keeps only the steps the others have too (with a
         warning saying which); ranks that share no step are refused.
         """
-        runs = sorted(runs, key=lambda r: r.ranks[0])
-        first = runs[0]
-        ranks = [r.ranks[0] for r in runs]
-        if len(set(ranks)) != len(ranks):
-            raise RunFileError(f"merge: duplicate ranks {ranks}")
-        for r in runs[1:]:
-            for name in ("tensor_names", "tensor_kinds"):
-                if getattr(r, name) != getattr(first, name):
-                    raise RunFileError(f"merge: rank {r.ranks[0]} recorded other {name} than rank {ranks[0]}")
-            if r.meta.get("domains", {}) != first.meta.get("domains", {}):
-                raise RunFileError(f"merge: rank {r.ranks[0]} stored its counts in other domains than rank "
-                                   f"{ranks[0]}: {r.meta.get('domains')} vs {first.meta.get('domains')}")
-        steps, hist_steps = checks.aligned_steps(runs)
-        world = first.meta.get("world_size", len(runs))
-        if len(runs) < world:
-            warnings.warn(f"{len(runs)} of {world} ranks found: {ranks}", AmpvizWarning, stacklevel=2)
+        runs, steps, hist_steps, meta = checks.merge_plan(runs)
 
         def cat(name, attr):
             if any(getattr(r, name) is None for r in runs):
@@ -365,10 +347,7 @@ class Run:
             parts = [getattr(r, name) if np.array_equal(getattr(r, attr), wanted)       # aligned: a view
                      else getattr(r, name)[:, np.searchsorted(getattr(r, attr), wanted)] for r in runs]
             return np.concatenate(parts)                      # the one copy
-        meta = dict(first.meta, ranks=ranks)
-        everies = [r.meta.get("every") for r in runs]
-        if all(checks.is_int(e) for e in everies):
-            meta["every"] = max(everies)
+        first = runs[0]
         return cls(steps, cat("loss", "steps"), cat("loss_scale", "steps"), cat("next_scale", "steps"),
                    cat("skipped", "steps"), hist_steps, cat("counts", "hist_steps"), first.tensor_names,
                    first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", "hist_steps"),
@@ -386,23 +365,6 @@ class Run:
             if getattr(self, name) is not None:
                 arrays[name] = getattr(self, name)[i]
         return arrays, meta
-
-    @classmethod
-    def _from_file(cls, path: Path) -> Run:
-        a, meta = _runfile.read(path)
-        lists = {k: meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes")}
-        for name, value in lists.items():
-            if not isinstance(value, list):
-                raise RunFileError(f"{path}: corrupt run: {name}: expected a list, got {type(value).__name__}")
-        meta["ranks"] = [meta.pop("rank", 0)]
-        try:
-            optional = {n: a[n][None] if n in a else None for n in _OPTIONAL}
-            run = cls(a["steps"], hist_steps=a["hist_steps"], meta=meta, **lists,
-                      **{n: a[n][None] for n in _PER_RANK}, **optional)
-            run._validate("Run", values=True)
-        except RunFileError as e:
-            raise RunFileError(f"{path}: {str(e).removeprefix('Run: ')}") from None
-        return run
 
     # ------------------------------------------------------------------ checks
     def _validate(self, where: str, values: bool = False) -> None:

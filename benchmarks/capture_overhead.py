@@ -15,6 +15,9 @@ copy of the model (same initial weights), optimizer and capture object:
     ampviz-every10  ampviz.Recorder(activations=True, every=10)
     ampviz-outputs  ampviz.Recorder(activations=False, outputs=True)   (weights + forward outputs)
     ampviz-all-out  ampviz.Recorder(activations=True, outputs=True)    (weights + output grads + outputs)
+    ampviz-saved    ampviz-all with path= (a directory): the run is also saved while it records, every 60 s
+                    by default (each save appends the steps since the previous one); the line after the
+                    table gives the number of saves in the timed blocks and what one cost
     tensorboard     SummaryWriter.add_histogram on every weight gradient every step
     ampviz-hooks    ampviz-all with its counting switched off (not run unless named in --variants): what
                     the hooks themselves cost, the rest of ampviz-all being the counting
@@ -27,7 +30,8 @@ on cold caches). A block ends by waiting for the variant's own background work (
 on a GPU run asynchronously; TensorBoard writes on a thread), so no variant's work leaks into the
 next variant's time. On the CPU ampviz counts inside the hooks, while torch waits. A variant's
 ratio is the median over rounds of its block time divided by base's block time in the same round
-(paired, so slow drifts of the machine cancel).
+(paired, so slow drifts of the machine cancel); the mean ratio is printed too, as a cost paid in a few
+blocks only (a save) moves the mean, not the median.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from ampviz import histogram as H
 from ampviz.examples.models import CharTransformer
 
 VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "ampviz-outputs", "ampviz-all-out",
-            "tensorboard"]
+            "ampviz-saved", "tensorboard"]
 DIAGNOSTIC = ["ampviz-hooks"]
 
 
@@ -82,19 +86,35 @@ class Variant:
         self.ratios: list[float] = []
         self.rec = self.writer = None
         self.step_i = 0
+        self.save_seconds: list[float] = []
         if name.startswith("ampviz"):
             outputs = {"outputs": True} if name in ("ampviz-outputs", "ampviz-all-out") else {}
+            path = {"path": f"{logdir}/{workload}-run"} if name == "ampviz-saved" else {}
             self.rec = ampviz.Recorder(self.model, self.opt, self.scaler,
                                        activations=name in ("ampviz-all", "ampviz-every10", "ampviz-all-out",
-                                                            "ampviz-hooks"),
-                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs)
+                                                            "ampviz-hooks", "ampviz-saved"),
+                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs, **path)
             self.rec.__enter__()
+            self._time_saves()
             if name == "ampviz-hooks":                    # every hook fires; nothing is counted
                 self.rec._counter.add = lambda x, row: None
                 self.rec._counter.add_many = lambda xs, rows: None
         elif name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(f"{logdir}/{workload}")
+
+    def _time_saves(self) -> None:
+        """Record how long each periodic save takes (where this ampviz saves while recording)."""
+        saver = getattr(self.rec, "_saver", None)
+        if saver is None:
+            return
+        save = saver.save
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            save(*args, **kwargs)
+            self.save_seconds.append(time.perf_counter() - t0)
+        saver.save = timed
 
     def block(self, steps: int) -> float:
         """Run ``steps`` steps and wait for this variant's background work; seconds per step."""
@@ -146,12 +166,16 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, name
             for v in variants:
                 v.times.append(per_step[v.name])
                 v.ratios.append(per_step[v.name] / per_step["base"])
-    med = {v.name: (statistics.median(v.times), statistics.median(v.ratios)) for v in variants}
+    med = {v.name: (statistics.median(v.times), statistics.median(v.ratios), statistics.fmean(v.ratios))
+           for v in variants}
     recs = [v.rec for v in variants if v.rec is not None]
     n_tensors = max((len(r.tensor_names) for r in recs), default=0)
+    saves = {v.name: list(v.save_seconds) for v in variants if v.save_seconds}
+    steps_timed = (rounds + warmup) * block
     for v in variants:
         v.close()
-    return {"median": med, "tensors": n_tensors, "params": sum(p.numel() for p in variants[0].model.parameters())}
+    return {"median": med, "tensors": n_tensors, "params": sum(p.numel() for p in variants[0].model.parameters()),
+            "saves": saves, "steps": steps_timed}
 
 
 def main(argv=None) -> int:
@@ -180,9 +204,12 @@ def main(argv=None) -> int:
             res = bench(w, a.rounds, a.warmup, a.block, logdir, names, device=a.device, amp=a.amp, width=a.width)
             print(f"\n{w}: {res['params']:,} parameters; {a.rounds} rounds of {a.block}-step blocks "
                   f"after {a.warmup} warm-up rounds")
-            print(f"{'variant':<16}{'median ms/step':>15}{'ratio':>8}")
-            for name, (t, ratio) in res["median"].items():
-                print(f"{name:<16}{t * 1e3:>15.2f}{ratio:>8.3f}")
+            print(f"{'variant':<16}{'median ms/step':>15}{'ratio':>8}{'mean ratio':>12}")
+            for name, (t, ratio, mean) in res["median"].items():
+                print(f"{name:<16}{t * 1e3:>15.2f}{ratio:>8.3f}{mean:>12.3f}")
+            for name, seconds in res["saves"].items():
+                print(f"{name}: {len(seconds)} saves in {res['steps']} steps (the last on close), "
+                      f"{1e3 * statistics.median(seconds):.1f} ms each (median; max {1e3 * max(seconds):.1f} ms)")
             per_step = res["tensors"] * H.NBINS * 8
             print(f"the largest ampviz variant keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
                   f"{per_step:,} bytes per recorded step on the host")

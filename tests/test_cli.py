@@ -100,6 +100,12 @@ def demo_claims(scaled: ampviz.Run, unscaled: ampviz.Run) -> None:
     assert (counts[:, H.ZERO] == counts.sum(axis=1)).all()                # every value exactly zero, every step
     assert abs(unscaled.loss[0, -50:].mean() - np.log(10)) < 0.02         # a uniform guess over ten digits
     assert scaled.loss[0, -50:].mean() < 0.5
+    # the doctor says so (issue 17): an underflow error naming the first layer; the GradScaler run has none
+    underflow = [f for f in unscaled.diagnose()["findings"] if f["check"] == "gradient_underflow"]
+    assert len(underflow) == 1 and underflow[0]["severity"] == "error" and underflow[0]["tensors"][0] == "body.0"
+    assert "body.0's gradient of its output is all zeros" in underflow[0]["summary"]
+    errors = [f["check"] for f in scaled.diagnose()["findings"] if f["severity"] == "error"]
+    assert "gradient_underflow" not in errors
 
 
 def test_demo_learns_with_a_gradscaler_and_stays_at_chance_without(full_demo_dir):
@@ -108,6 +114,25 @@ def test_demo_learns_with_a_gradscaler_and_stays_at_chance_without(full_demo_dir
     demo_claims(scaled, unscaled)
     figures = plotly_figures((full_demo_dir / "report.html").read_text())
     assert "run0-scale" in figures and "run1-scale" in figures          # the report shows both runs
+
+
+def test_doctor_on_the_demo_without_scaling_exits_non_zero_naming_the_first_layer(full_demo_dir, capsys):
+    """``ampviz doctor demo/no_scaling.npz`` said "clean: no findings" (exit 0) and ``ampviz info`` "worst flushed to
+    zero 0%" for a run whose first layer's gradients fp16 flushed to zero at every step (issue 17, item 1)."""
+    unscaled, scaled = full_demo_dir / "no_scaling.npz", full_demo_dir / "run.npz"
+    assert main(["doctor", str(unscaled)]) == 1
+    out = capsys.readouterr().out
+    assert "[error] gradient_underflow: fp16 flushed gradients to zero in the backward: body.0's" in " ".join(
+        out.split())
+    assert main(["doctor", str(scaled)]) == 0
+    assert "gradient_underflow" not in capsys.readouterr().out
+    assert main(["info", str(unscaled)]) == 0
+    info = capsys.readouterr().out
+    assert "flushed inside the fp16 backward, stored as exact zeros: body.0 all zeros at 600 of 600 steps" in info
+    assert "flushed to zero 0%" not in info
+    page = (full_demo_dir / "report.html").read_text()
+    section = page.split('<h2 id="run1">', 1)[1]
+    assert "[error] gradient_underflow" in section and "flushed to zero 0%" not in section
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import ampviz
 from ampviz import histogram as H
 from ampviz.cli import main
-from ampviz.doctor import CAUSES, CHECKS, SEVERITIES, as_text, diagnose
+from ampviz.doctor import CAUSES, CHECKS, SEVERITIES, as_text, diagnose, headline
 
 FP16 = torch.float16
 
@@ -194,9 +194,12 @@ def test_too_high_init_scale_is_reported_with_the_number_of_skipped_steps():
     assert burst > 5
     d = run.diagnose()
     f = only(d, "init_scale_too_high")
-    assert f["severity"] == "info" and f["evidence"]["skipped_at_start"] == burst
-    assert f["steps"] == list(range(burst))
-    assert f["evidence"]["settled_scale"] == run.next_scale[0, burst - 1]
+    # the back-off: the leading skips and those fewer than SETTLE_GAP clean steps after them, the scale never grown
+    span = f["evidence"]["backing_off_steps"]
+    assert span >= burst and not any(seen["skipped"][span:span + 4]) and seen["skipped"][span - 1]
+    assert f["severity"] == "info" and f["evidence"]["skipped_at_start"] == sum(seen["skipped"][:span])
+    assert f["steps"] == np.flatnonzero(seen["skipped"][:span]).tolist() and f["steps"][:burst] == list(range(burst))
+    assert f["evidence"]["settled_scale"] == run.next_scale[0, span - 1]
     assert "harmless" in f["summary"].lower()
     assert f"init_scale=2.0**{int(np.log2(f['evidence']['settled_scale']))})" in f["recommendation"]
     replayed = next(iter(f["evidence"]["replays"].values()))
@@ -235,10 +238,12 @@ def test_skips_more_frequent_than_the_growth_interval_allows():
     """The loss doubles every 4 steps: each doubling overflows once more than GradScaler's probes would."""
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 20, growth_interval=1000), steps=40,
                       loss_mul=lambda step: 2.0 ** (step // 4))
-    burst = leading_run(seen["skipped"])
+    d = run.diagnose()
+    burst = only(d, "init_scale_too_high")["evidence"]["backing_off_steps"]   # the skips while init_scale came down
+    assert burst >= leading_run(seen["skipped"])
     later = int(np.sum(seen["skipped"][burst:]))
     assert later >= 5
-    f = only(run.diagnose(), "frequent_skips")
+    f = only(d, "frequent_skips")
     assert f["evidence"]["skipped"] == later > 2 * f["evidence"]["allowed"] and f["evidence"]["allowed"] == 1
     assert f["steps"] == (np.flatnonzero(seen["skipped"][burst:]) + burst).tolist()
 
@@ -411,14 +416,17 @@ def test_every_finding_has_evidence_and_a_recommendation_and_the_cli_prints_one_
                                                             key=SEVERITIES.index)
     path = tmp_path / "run.npz"
     run.save(path)
-    assert main(["doctor", str(path)]) == 0
+    assert main(["doctor", str(path)]) == 1                   # an error finding: a CI job can fail on it
     lines = capsys.readouterr().out.splitlines()
     heads = [line for line in lines if line.startswith("  [")]
     assert len(heads) == len(d["findings"])
     assert [h.split("]")[1].split(":")[0].strip() for h in heads] == [f["check"] for f in d["findings"]]
-    assert main(["doctor", str(path), str(path), "--json"]) == 0
+    other = tmp_path / "copy.npz"
+    other.write_bytes(path.read_bytes())
+    assert main(["doctor", str(path), str(other), "--json"]) == 1          # the run has errors: exit 1
     both = json.loads(capsys.readouterr().out)
-    assert list(both) == [str(path)] and both[str(path)]["findings"] == json.loads(json.dumps(d))["findings"]
+    assert list(both) == [str(path), str(other)]
+    assert both[str(path)]["findings"] == both[str(other)]["findings"] == json.loads(json.dumps(d))["findings"]
 
 
 def test_doctor_on_a_missing_file_is_one_error_line(capsys, tmp_path):
@@ -466,9 +474,124 @@ def test_runs_with_no_steps_no_tensors_or_sparse_histograms_still_get_a_diagnosi
     assert rec.run.diagnose()["clean"]
     # no tensors recorded: the scale trace alone still gives the init_scale finding, counted right
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=25, weights=False, activations=False)
-    assert only(run.diagnose(), "init_scale_too_high")["evidence"]["skipped_at_start"] == leading_run(seen["skipped"])
+    f = only(run.diagnose(), "init_scale_too_high")
+    assert f["evidence"]["skipped_at_start"] == sum(seen["skipped"][:f["evidence"]["backing_off_steps"]]) > 5
     # histograms every 3 steps: skipped steps between them are said to be unexplained, not ignored
     run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 40), steps=25, every=3)
     note = [c for c in run.diagnose()["checks"] if c["check"] == "causes of all skipped steps"]
     assert note and not note[0]["ran"] and "every=1" in note[0]["why"]
     assert str(sum(s for i, s in enumerate(seen["skipped"]) if i % 3)) in note[0]["why"]
+
+
+# ---------------------------------------------------------------------------------------- issue 17
+def clipped_run(clip, init_scale=2.0 ** 24, steps=12, poison_at=(), **kw):
+    """The issue's MLP: init_scale 2**24, 12 steps, with or without ``scaler.unscale_(opt); clip(...)``."""
+    model = mlp(poison_after=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    gen = torch.Generator().manual_seed(1)
+    with ampviz.Recorder(model, opt, scaler=scaler, **kw) as rec:
+        for step in range(steps):
+            model.poison.value = float("nan") if step in poison_at else None
+            x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+            with torch.autocast("cpu", dtype=FP16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                clip(model.parameters())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            rec.step(loss)
+    return rec.run
+
+
+CLIPS = {"clip_grad_norm_": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
+         "clip_grad_value_": lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.5)}
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_a_clipped_loop_overflowing_its_scale_is_an_ordinary_overflow_as_without_clipping(clip):
+    """Clipping after unscale_ multiplies every gradient by 0 when the norm is inf: inf became nan, and the doctor
+    blamed the model with 3 errors (issue 17, item 2). The same findings as without clipping, with the evidence."""
+    plain, clipped = clipped_run(None), clipped_run(CLIPS[clip])
+    assert clipped.skipped[0].sum() >= 3
+    expected = [(f["check"], f["steps"]) for f in plain.diagnose()["findings"]]
+    d = clipped.diagnose()
+    assert [(f["check"], f["steps"]) for f in d["findings"]] == expected == [("init_scale_too_high", expected[0][1])]
+    assert clipped.meta["unscaled_before_step"] and not plain.meta["unscaled_before_step"]
+    assert {e["cause"] for e in d["nonfinite_steps"] if e["skipped"]} <= {"loss scale", "unknown"}
+    if clip == "clip_grad_norm_":
+        line = " ".join(d["findings"][0]["details"])
+        assert "clip_grad_norm_" in line and "their nan are read as the inf they were" in line
+
+
+def test_a_nan_made_in_the_backward_of_a_clipped_loop_is_still_named_by_its_layer():
+    """A nan norm makes every weight gradient nan after the clip: the activation gradients, recorded before it,
+    still name the layer; the weights do not each become an origin."""
+    d = clipped_run(CLIPS["clip_grad_norm_"], init_scale=2.0 ** 10, poison_at={8}).diagnose()
+    f = only(d, "nonfinite_gradient")
+    assert f["evidence"]["origin"] == "fc1" and f["steps"] == [8]
+    assert any("nan total norm" in line for line in f["details"])
+
+
+def test_gradient_rows_that_never_filled_are_named_in_the_checks():
+    """A watched module the loop never calls, and outputs=True rows that stay empty, are said (issue 17, item 3)."""
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.unused = mlp(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.net(x)
+    run, _ = train(WithUnused(), scaler_kw=dict(init_scale=2.0 ** 10), steps=3, outputs=["unused"])
+    checks = {c["check"]: c for c in run.diagnose()["checks"]}
+    assert checks["forward overflow (loss only)"]["ran"]
+    assert checks["forward overflow (loss only)"]["why"] == "1 of its 1 rows never filled: unused [output]"
+    assert checks["non-finite gradients"]["why"].startswith("3 of its ")
+    assert "unused.weight, unused.bias, unused" in checks["non-finite gradients"]["why"]
+    text = as_text(run.diagnose(), width=0)
+    assert "forward overflow (loss only) (1 of its 1 rows never filled: unused [output])" in text
+
+
+def test_text_wraps_at_word_boundaries_and_the_headline_counts_right(monkeypatch):
+    run, seen = train(mlp(), steps=60, scaler_kw=dict(init_scale=2.0 ** 10, growth_interval=3))
+    d = run.diagnose()
+    one = dict(d, nonfinite_steps=[e for e in d["nonfinite_steps"] if e["skipped"]][:1])
+    assert headline(one) == "clean: no findings; its 1 skipped step was an ordinary loss-scale overflow"
+    bad, _ = train(mlp(poison_after=1), scaler_kw=dict(init_scale=2.0 ** 40), poison_at={20}, steps=26)
+    d = bad.diagnose()
+    words = set(" ".join(as_text(d, width=0).split()).split())
+    for width in (40, 72, 100):
+        lines = as_text(d, width=width).splitlines()
+        assert max(len(line) for line in lines if " " in line.strip()) <= width
+        assert set(" ".join(lines).split()) == words                     # no word broken in two
+    assert all(len(line) > 100 for line in as_text(d, width=0).splitlines()[1:3])
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)             # in a notebook: its width, not the terminal's
+    monkeypatch.setenv("COLUMNS", "300")
+    assert max(len(line) for line in as_text(d).splitlines()) <= 88
+
+
+def test_the_scheduler_advice_says_what_accelerate_checks_and_which_way_warm_up_goes():
+    lam = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: min(1.0, (e + 1) / 10))  # noqa: E731
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        run, _ = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 30), scheduler=lam, steps=24)
+    advice = only(run.diagnose(), "scheduler_on_skipped")["recommendation"]
+    assert "compares" not in advice and "delay warm-up" not in advice                         # the old claims
+    assert "accelerate 1.15 sets it when GradScaler did not call the optimizer's step" in advice
+    assert "warm-up ends early" in advice and "GradScaler.step already waits once per step" in advice
+
+
+def test_the_report_of_a_flushed_run_with_many_tensors_shows_and_names_the_flushed_ones():
+    """With more than 24 tensors the report draws the worst; a run whose values the fp16 backward flushed loses
+    nothing more at its scale, and was said to lose nothing ("none loses a value to fp16")."""
+    pytest.importorskip("plotly")
+    from ampviz.report import SMALL_MULTIPLES, report_html
+    run, _ = train(mlp(depth=12), steps=3, loss_mul=lambda step: 2.0 ** -16)
+    assert len(run.tensor_names) > SMALL_MULTIPLES
+    d = run.diagnose()
+    assert only(d, "gradient_underflow")["severity"] == "error"
+    section = report_html([run], labels=["flushed"]).split('<h2 id="run0">', 1)[1]
+    assert "none loses a value" not in section and "already flushed to exact zeros" in section
+    assert "[error] gradient_underflow" in section and "flushed to zero 0%" not in section

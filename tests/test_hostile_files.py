@@ -21,6 +21,7 @@ from ampviz._warnings import AmpvizWarning
 from ampviz.run import Run, RunFileError
 
 STEPS, TENSORS = 4, 2
+SCALER = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5}
 
 
 def good_run(rank=0, steps=None, hist_steps=None, world=1) -> Run:
@@ -35,7 +36,7 @@ def good_run(rank=0, steps=None, hist_steps=None, world=1) -> Run:
                ["torch.float32", "torch.float16"],
                {"world_size": world, "ranks": [rank], "every": 1, "device": "cpu",
                 "domains": {"weight": "unscaled", "activation": "scaled"},
-                "scaler": {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5}})
+                "scaler": dict(SCALER)})
 
 
 def npy(arr) -> bytes:
@@ -64,8 +65,8 @@ def write_zip(path: Path, members: dict) -> Path:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for name, data in members.items():
             if name == "meta":
-                text = data if isinstance(data, str) else json.dumps(data)
-                name, data = "meta.npy", npy(np.array(text)) if isinstance(data, (str, dict, list)) else data
+                text = data if isinstance(data, (str, bytes)) else json.dumps(data)
+                name, data = "meta.npy", npy(np.array(text)) if isinstance(text, str) else text
             z.writestr(name, data)
     return path
 
@@ -95,6 +96,55 @@ def declare_size(path: Path, member: str, size: int) -> Path:
                 struct.pack_into("<I", data, i + size_at, size)
             start = i + 4
     path.write_bytes(bytes(data))
+    return path
+
+
+def patch_member(path: Path, member: str, central_at: int, fmt: str, value) -> Path:
+    """Overwrite a field of ``member``'s central directory entry (at offset ``central_at`` in the entry) and,
+    for the flag bits (offset 8 there, 6 in the local header), its local header too."""
+    data = bytearray(path.read_bytes())
+    name = member.encode()
+    for signature, name_at, at in ((b"PK\x01\x02", 46, central_at), (b"PK\x03\x04", 30, central_at - 2)):
+        if signature == b"PK\x03\x04" and central_at != 8:
+            continue
+        start = 0
+        while (i := data.find(signature, start)) >= 0:
+            if data[i + name_at:i + name_at + len(name)] == name:
+                struct.pack_into(fmt, data, i + at, value)
+            start = i + 4
+    path.write_bytes(bytes(data))
+    return path
+
+
+def lzma_member(path: Path) -> Path:
+    """A good run whose counts member is LZMA-compressed, with bytes in the middle of its stream flipped."""
+    members = members_of(good_run())
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            if name == "meta":
+                z.writestr("meta.npy", npy(np.array(json.dumps(data))))
+            else:
+                z.writestr(name, data, compress_type=zipfile.ZIP_LZMA if name == "counts.npy" else None)
+        start = z.getinfo("counts.npy").header_offset + 30 + len("counts.npy") + 40
+    data = bytearray(path.read_bytes())
+    data[start:start + 16] = bytes(255 - b for b in data[start:start + 16])
+    path.write_bytes(bytes(data))
+    return path
+
+
+def beyond_unicode(path: Path) -> Path:
+    """metadata whose unicode array holds the code point 0x110000, beyond the last one (U+10FFFF)."""
+    header = npy_header((), "<U1")
+    return craft(path, raw_meta=header + struct.pack("<I", 0x110000))
+
+
+def zip64_locator(path: Path, offset: int) -> Path:
+    """A good run whose end record says "see the zip64 record", with a zip64 locator pointing at ``offset``."""
+    data = bytearray(craft(path).read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    struct.pack_into("<HH", data, end + 8, 0xFFFF, 0xFFFF)
+    locator = b"PK\x06\x07" + struct.pack("<IQI", 0, offset, 1)
+    path.write_bytes(bytes(data[:end]) + locator + bytes(data[end:]))
     return path
 
 
@@ -192,6 +242,19 @@ CASES = {
                      "its zip directory lists 2008 entries"),
     "missing_counts": (lambda d: craft(d / "nocounts.npz", drop=("counts.npy",)), "missing arrays ['counts']"),
     "empty_zip": (lambda d: write_zip(d / "empty.npz", {}), "an .npz without ampviz metadata"),
+    "encrypted": (lambda d: patch_member(craft(d / "encrypted.npz"), "counts.npy", 8, "<H", 1),
+                  "counts: its zip member is encrypted"),
+    "zip_version_12": (lambda d: patch_member(craft(d / "version.npz"), "counts.npy", 6, "<H", 122),
+                       "zip file version 12.2"),
+    "lzma_corrupt": (lambda d: lzma_member(d / "lzma.npz"), "counts is corrupt or truncated: LZMAError"),
+    "beyond_unicode": (lambda d: beyond_unicode(d / "unicode.npz"), "meta: holds a code point beyond U+10FFFF"),
+    "zip64_locator_2_63": (lambda d: zip64_locator(d / "zip64.npz", 2 ** 63), "not a readable ampviz run file"),
+    "scaler_backoff_huge": (lambda d: craft(d / "backoff.npz", meta={"scaler": dict(SCALER, backoff_factor=1e308)}),
+                            "scaler.backoff_factor: expected a number in (0, 1), got 1e+308"),
+    "scaler_growth_tiny": (lambda d: craft(d / "growth.npz", meta={"scaler": dict(SCALER, growth_factor=5e-324)}),
+                           "scaler.growth_factor: expected a number > 1, got 5e-324"),
+    "name_surrogate": (lambda d: craft(d / "surrogate.npz", meta={"tensor_names": ["fc.\ud800", "fc"]}),
+                       "tensor_names[0]: holds \\ud800, a lone surrogate"),
     "ranks_mixed": (lambda d: _ranks(d / "mixed", [0, "1"]), "rank: expected a non-negative integer, got '1'"),
     "ranks_offset": (lambda d: _ranks(d / "offset", [0, 1], offsets=[0, 100]),
                      "merge: the ranks share no recorded steps (rank 0: 4 steps 0..3; rank 1: 4 steps 100..103)"),
@@ -257,6 +320,25 @@ def test_the_command_gives_one_line_per_hostile_file_and_no_traceback(hostile, t
     assert done.stdout.splitlines()[0] == str(good) and "loss scale" in done.stdout
 
 
+NEW_CLASSES = ["encrypted", "zip_version_12", "lzma_corrupt", "beyond_unicode", "zip64_locator_2_63",
+               "scaler_backoff_huge", "scaler_growth_tiny", "name_surrogate"]
+
+
+def test_info_summarises_the_good_runs_around_each_bad_one(hostile, tmp_path):
+    """``ampviz info good bad good`` for each class of issue 23 (item 7 and 8): both good runs are summarised."""
+    good = str(good_run().save(tmp_path / "good.npz")[0])
+    args = [a for case in NEW_CLASSES for a in (good, str(hostile[case][0]))] + [good]
+    done = subprocess.run([sys.executable, "-m", "ampviz", "info", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "internal error" not in done.stderr and "Traceback" not in done.stderr
+    errors = done.stderr.splitlines()
+    assert len(errors) == len(NEW_CLASSES), done.stderr
+    for case, line in zip(NEW_CLASSES, errors):
+        path, fragment = hostile[case]
+        assert line.startswith(f"ampviz: error: {path}: ") and fragment in line, line
+    assert done.stdout.count(f"{good}\n") == len(NEW_CLASSES) + 1
+
+
 @pytest.mark.parametrize("case", ["script_in_kind", "fifo", "declared_3GB", "nested_deep", "ranks_offset"])
 def test_report_refuses_before_writing_anything(hostile, case, tmp_path, capsys):
     from ampviz.cli import main
@@ -275,7 +357,7 @@ def test_a_real_zip_bomb_is_refused_before_it_is_inflated(tmp_path, monkeypatch)
     assert info.file_size > 1000 * info.compress_size / 2 and path.stat().st_size < 100_000
     monkeypatch.setenv("AMPVIZ_MAX_RUN_BYTES", str(1 << 20))
     with pytest.raises(RunFileError, match=r"bomb.npz: corrupt or oversized run: counts would inflate to 4.9 MB, "
-                                           r"beyond the 1.0 MB ampviz reads per run file"):
+                                           r"beyond the 1.0 MB ampviz reads at once"):
         Run.load(path)
     monkeypatch.delenv("AMPVIZ_MAX_RUN_BYTES")
     assert Run.load(path).counts.shape == (1, 1200, 2, H.NBINS)

@@ -138,7 +138,10 @@ def test_scale_trace_marks_skips_and_growths_at_their_steps():
     assert rec.line.shape == "hv"                                  # the scale holds until the next step
     sk = fig.data[TRACES["recorded skipped"]]
     assert list(sk.x) == [0, 4] and list(sk.y) == [16, 16] and sk.name == "recorded: 2 skipped"
-    assert list(fig.data[TRACES["recorded grown"]].x) == [2, 7]
+    assert list(fig.data[TRACES["recorded grown"]].x) == [2, 7] and fig.data[TRACES["recorded grown"]].name == \
+        "recorded: 2 growths"
+    one = scale_trace_figure(steps, scale, skipped, grown & (steps < 5))
+    assert one.data[TRACES["recorded grown"]].name == "recorded: 1 growth"      # not "1 growths"
     rep = fig.data[TRACES["replay"]]
     np.testing.assert_array_equal(rep.y, np.log2(r.scale))
     assert list(fig.data[TRACES["replay skipped"]].x) == list(np.nonzero(r.skipped)[0])

@@ -199,7 +199,7 @@ def test_hooks_are_removed_on_exit_and_when_the_loop_raises(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert hook_counts(model, opt) == (0, 0, 0, 0)
     with ampviz.Recorder(model, opt) as rec:
-        assert hook_counts(model, opt) == (3, 6, 1, 0)
+        assert hook_counts(model, opt) == (4, 6, 1, 0)      # 3 watched modules + the model's own (its end)
         train(model, batches(2), recorder=rec)
     assert hook_counts(model, opt) == (0, 0, 0, 0)
     rec2 = ampviz.Recorder(model, None, path=tmp_path / "crash.npz")     # global optimizer hook

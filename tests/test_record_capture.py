@@ -290,3 +290,96 @@ def test_explicit_out_proj_is_replaced_by_the_attention_output_with_a_warning():
         rec = ampviz.Recorder(layer, outputs=["self_attn.out_proj"], activations=False)
     assert rec.tensor_names[-1] == "self_attn [output]"
     assert isinstance(layer.self_attn, nn.MultiheadAttention)
+
+
+class Checkpointed(nn.Module):
+    """fc0 and fc1 inside torch.utils.checkpoint (reentrant, as older HF code still does), then head."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0, self.fc1, self.head = nn.Linear(10, 24), nn.Linear(24, 24), nn.Linear(24, 3)
+        self.reentrant = reentrant
+
+    def block(self, x):
+        return torch.tanh(self.fc1(torch.tanh(self.fc0(x))))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_outputs_inside_a_checkpoint_are_counted_once_per_forward(reentrant):
+    """A reentrant checkpoint runs the real forward under no_grad and recomputes it inside backward: its
+    outputs were lost (issue 17, item 3). Counted once, as the plain forward computes them."""
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = data(3)
+    x0 = batches[0][0].requires_grad_(reentrant)          # reentrant checkpoint needs an input that requires grad
+    with ampviz.Recorder(model, opt, outputs=True) as rec:
+        for i, (x, y) in enumerate(batches):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x0 if i == 0 else x.requires_grad_(reentrant)), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        with torch.no_grad():
+            model(x0)                                     # evaluation: still not counted
+    run = rec.run
+    fresh = Checkpointed(reentrant)
+    with torch.autocast("cpu", dtype=torch.float16):
+        h0 = fresh.fc0(batches[0][0])
+    np.testing.assert_array_equal(run.histogram(0, "fc0 [output]"), H.histogram(h0).numpy())
+    for kind in ("output", "activation"):                 # outputs once; output gradients once (the recomputation's)
+        rows = [t for t, k in enumerate(run.tensor_kinds) if k == kind]
+        assert (run.counts[0][:, rows].sum(axis=-1) == [[16 * 24, 16 * 24, 16 * 3]] * 3).all(), kind
+        assert run.tensor_dtypes[rows[0]] == "torch.float16"
+
+
+def test_zero_grad_without_set_to_none_keeps_a_skipped_steps_inf_and_nan():
+    """``opt.zero_grad(set_to_none=False)`` before ``rec.step()`` zeroes ``.grad`` in place: a skipped step's
+    inf/nan weight gradients were recorded as zeros (issue 17, item 4). They are counted when scaler.step()
+    returns, as set_to_none=True records them."""
+    runs = {}
+    for set_to_none in (True, False):
+        model = mlp(fault_after=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        with ampviz.Recorder(model, opt, scaler=scaler) as rec:
+            for step, (x, y) in enumerate(data(4)):
+                model.fault.on = step == 2
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                if step == 2:
+                    oracle = {n: H.histogram(p.grad.float() / scaler.get_scale()).numpy()
+                              for n, p in model.named_parameters()}
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=set_to_none)
+                rec.step(loss)
+        runs[set_to_none] = rec.run
+    assert runs[False].skipped[0].tolist() == [False, False, True, False]
+    np.testing.assert_array_equal(runs[False].counts, runs[True].counts)
+    for name, expected in oracle.items():
+        np.testing.assert_array_equal(runs[False].histogram(2, name), expected)
+    assert nonfinite(runs[False].counts[0, 2, runs[False].tensor_index("fc0.weight")])
+
+
+def test_weight_dtypes_are_those_the_parameters_have_when_the_run_is_built():
+    """``model.to(torch.float64)`` after ``Recorder(...)``: the weight rows said float32 (issue 17, item 7)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = ampviz.Recorder(model, opt)
+    model.to(torch.float64)                               # in place: the same parameters, now float64
+    with rec:
+        for x, y in data(2):
+            F.cross_entropy(model(x.double()), y).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    run = rec.run
+    assert {run.tensor_dtypes[t] for t, k in enumerate(run.tensor_kinds) if k == "weight"} == {"torch.float64"}
+    assert {run.tensor_dtypes[t] for t, k in enumerate(run.tensor_kinds) if k == "activation"} == {"torch.float64"}

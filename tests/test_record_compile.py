@@ -95,3 +95,54 @@ def test_a_compiled_block_keeps_its_name_and_the_rest_is_recorded():
     with pytest.warns(AmpvizWarning, match="not recorded for 1 modules"):
         rec = ampviz.Recorder(model)
     assert rec.tensor_names == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias", "0", "3"]
+
+
+def train_compiled_out_of_sight(record: bool, how: str, backend="inductor", outputs=False):
+    """As train_compiled, but the Recorder gets the plain module while the loop calls ``torch.compile(model)``
+    ("wrapper"), or the model is compiled in place after the Recorder was made ("after")."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = build()
+    called = torch.compile(model, backend=backend) if how == "wrapper" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    rec = ampviz.Recorder(model, opt, enabled=record, outputs=outputs)
+    if how == "after":
+        model.compile(backend=backend)
+    with rec:
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(called(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    breaks = sum(counters["graph_break"].values())
+    return [p.detach().clone() for p in model.parameters()], breaks, rec
+
+
+@pytest.mark.parametrize("how", ["wrapper", "after"])
+def test_hooks_traced_by_a_compile_the_recorder_was_not_told_about_stand_down_and_say_so(how):
+    """Recorder(m) while the loop calls torch.compile(m), or m compiled after Recorder(m): the module hooks ran
+    inside the compiled graph, graph breaks went from 0 to 7 and the final weights changed (issue 17, item 6).
+    They stand down (no graph break, the same weights) and the first rec.step() says so."""
+    base, base_breaks, _ = train_compiled_out_of_sight(False, how)
+    said = {"wrapper": r"ran under torch.compile without the Recorder being given the compiled model.*stood down",
+            # compiled in place before `with rec:` is seen there: no hook goes on (even one doing nothing changes
+            # how torch.compile splits an in-place compiled module's graph)
+            "after": r"the model was compiled after Recorder\(...\) was made, so 3 watched modules"}[how]
+    with pytest.warns(AmpvizWarning, match=said) as caught:
+        weights, breaks, rec = train_compiled_out_of_sight(True, how, outputs=True)
+    assert len([w for w in caught if issubclass(w.category, AmpvizWarning)]) == 1
+    assert breaks == base_breaks == 0
+    assert all(torch.equal(a, b) for a, b in zip(base, weights))
+    run = rec.run
+    weights_rows = [t for t, k in enumerate(run.tensor_kinds) if k == "weight"]
+    others = [t for t, k in enumerate(run.tensor_kinds) if k != "weight"]
+    assert (run.counts[0][:, weights_rows].sum(axis=-1) == [p.numel() for p in build().parameters()]).all()
+    assert run.counts[0][:, others].sum() == 0               # nothing counted inside the graph
+    forward = next(c for c in run.diagnose()["checks"] if c["check"].startswith("forward overflow"))
+    assert forward["check"] == "forward overflow (loss only)" and "3 of its 3 rows never filled" in forward["why"]

@@ -2,6 +2,7 @@
 Lightning), a failure while entering, ``optimizer.step(closure)`` (LBFGS, SAM), and misuse that used to
 record the wrong thing silently."""
 
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -216,6 +217,43 @@ def test_a_correct_loop_with_skipped_steps_gives_no_warning():
             opt.zero_grad()
             rec.step(loss)
     assert rec.run.skipped[0].any()
+
+
+def test_a_gradscaler_the_loop_never_uses_is_said_to_be_unused_at_the_first_step():
+    """The Recorder given a second GradScaler (scale 8) while the loop steps with another (2**30 down to
+    2**27): it recorded 8 at every step, no skip, and its only warning blamed micro-batches (issue 17, item 5)."""
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)
+    unused = torch.amp.GradScaler("cpu", init_scale=8.0)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampviz.Recorder(model, opt, scaler=unused) as rec:
+            for _ in range(6):
+                loss = fp16_step(model, opt, real, g)
+                real.step(opt)
+                real.update()
+                opt.zero_grad()
+                rec.step(loss)
+    said = [str(w.message) for w in caught if issubclass(w.category, AmpvizWarning)]
+    assert len(said) == 1 and "this GradScaler's step() was never called" in said[0], said
+    assert "its scale stays 8" in said[0] and "micro-batch" not in said[0]
+    assert real.get_scale() < 2.0 ** 30                  # the real scaler did skip steps
+    assert vars(unused).get("step") is None               # its step() is the class's again
+
+
+def test_the_gradscalers_step_is_put_back_on_close_also_when_the_loop_raises():
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    mine = scaler.step                                    # the user's own instance attribute stays theirs
+    scaler.step = mine
+    with pytest.raises(RuntimeError, match="boom"):
+        with ampviz.Recorder(model, opt, scaler=scaler):
+            assert scaler.step is not mine
+            raise RuntimeError("boom")
+    assert vars(scaler)["step"] is mine
 
 
 def test_never_calling_step_warns_at_close():

@@ -104,3 +104,92 @@ def test_sharded_evaluation_in_one_process_is_evaluate(data):
     loss, acc = trainer.evaluate(data.x_test[:101], data.y_test[:101])
     loss_s, acc_s = trainer.evaluate_sharded(data.x_test[:101], data.y_test[:101])
     assert acc_s == acc and abs(loss_s - loss) <= 1e-6 * loss
+
+
+def _pieces(seed=0, init_scale=2.0 ** 16, warmup=3, total=12, clip=None):
+    from ampviz.examples.trainer import Trainer, linear_warmup
+    model = sigmoid_mlp(seed=seed, depth=2, width=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=3)
+    scheduler = linear_warmup(opt, warmup, total)
+    return Trainer(model, opt, scaler, device="cpu", amp_dtype=torch.float16, accum=2, progress=False,
+                   max_grad_norm=clip, scheduler=scheduler)
+
+
+def _loader(data, batch=32):
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    dataset = TensorDataset(data.x_train, data.y_train)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
+
+
+def test_clipping_unscales_first_and_matches_a_written_out_loop(data):
+    trainer = _pieces(clip=0.05, warmup=0)                          # warmup 0: the full lr at once
+    batches = [(data.x_train[i:i + 32], data.y_train[i:i + 32]) for i in (0, 32)]
+    trainer.train_step(batches)
+    # oracle: the recipe of PyTorch's AMP examples, written out
+    model = sigmoid_mlp(seed=0, depth=2, width=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y) / 2
+        scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    assert norm > 0.05                                               # the clip did bite
+    scaler.step(opt)
+    scaler.update()
+    for a, b in zip(trainer.module.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_scheduler_does_not_step_on_skipped_steps(data):
+    trainer = _pieces(init_scale=2.0 ** 40, warmup=4, total=20)      # the first steps overflow fp16
+    loader = _loader(data)
+    trainer.train(loader, loader.sampler, 10)
+    skipped = 10 - trainer.scheduler.last_epoch
+    assert skipped >= 2 and trainer.scaler.get_scale() < 2.0 ** 40   # several skips happened ...
+    taken = trainer.scheduler.last_epoch                             # ... and only real steps advanced the LR
+    factor = (taken + 1) / 4 if taken < 4 else (20 - taken) / 16
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * factor)
+
+
+def test_batches_resume_at_the_same_micro_batch_across_epochs(data):
+    trainer = _pieces()
+    loader = _loader(data, batch=256)                                 # 5 micro-batches an epoch: 2 steps
+    whole = [g for _, g in zip(range(7), trainer.batches(loader, loader.sampler))]
+    later = [g for _, g in zip(range(3), trainer.batches(loader, loader.sampler, start=4))]
+    for a, b in zip(whole[4:], later):
+        assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+    assert not torch.equal(whole[0][0][0], whole[2][0][0])           # epochs differ (set_epoch)
+
+
+def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path):
+    loader = _loader(data)
+    straight = _pieces(init_scale=2.0 ** 24, clip=1.0)
+    straight.train(loader, loader.sampler, 6, eval_every=6, state=tmp_path / "state.pt")
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)    # plain tensors and numbers
+    assert saved["step"] == 6 and saved["scaler"]["scale"] == straight.scaler.get_scale()
+    straight.train(loader, loader.sampler, 12)
+    resumed = _pieces(seed=5, init_scale=2.0 ** 24, clip=1.0)        # other weights, a fresh scaler
+    resumed.resume(tmp_path / "state.pt")
+    assert resumed.step == 6
+    resumed.train(loader, loader.sampler, 12)
+    for a, b in zip(straight.module.parameters(), resumed.module.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.scaler.get_scale() == straight.scaler.get_scale()
+    assert resumed.scheduler.last_epoch == straight.scheduler.last_epoch
+    forgot = _pieces(seed=5, init_scale=2.0 ** 24, clip=1.0)         # everything but the scaler restored
+    forgot.load_state_dict({**saved, "scaler": {}})
+    forgot.train(loader, loader.sampler, 12)
+    assert not all(torch.equal(a, b) for a, b in zip(straight.module.parameters(), forgot.module.parameters()))
+
+
+def test_trainer_and_schedule_reject_bad_arguments():
+    from ampviz.examples.trainer import Trainer, linear_warmup
+    model = relu_mlp(depth=1, width=8)
+    with pytest.raises(ValueError, match="max_grad_norm: expected a positive number or None, got 0"):
+        Trainer(model, None, None, device="cpu", max_grad_norm=0)
+    with pytest.raises(ValueError, match="warmup: expected an integer >= 0, got -1"):
+        linear_warmup(torch.optim.SGD(model.parameters(), lr=0.1), -1, 10)

@@ -145,6 +145,8 @@ def test_playground_replays_the_policy_the_controls_describe():
     assert list(w.figure.data[TRACES["replay skipped"]].x) == list(np.nonzero(expected.skipped)[0])
     assert w.figure.data[TRACES["replay skipped"]].name == f"replay: {expected.n_skipped} skipped"
     assert f"<b>{expected.n_skipped}</b> of 300 steps skipped" in w.readout.value
+    # a greyed-out control says why (the browser review found the hysteresis slider disabled without a word)
+    assert "hysteresis: not used by the PyTorch GradScaler policy" in w.readout.value
     w.policy_dropdown.value = "deepspeed"
     w.hysteresis_slider.value = 3
     ds = replay(DeepSpeedPolicy(2.0 ** 20, scale_factor=2.0, scale_window=10, hysteresis=3), trace)
@@ -158,6 +160,8 @@ def test_playground_replays_the_policy_the_controls_describe():
     w.policy_dropdown.value = "static"
     assert w.replay.scale.tolist() == replay(StaticPolicy(2.0 ** 20), trace).scale.tolist()
     assert all(c.disabled for c in (w.growth_slider, w.backoff_slider, w.interval_slider, w.hysteresis_slider))
+    assert "growth_factor, backoff_factor, growth_interval, hysteresis: not used by the static policy" \
+        in w.readout.value
 
 
 def test_playground_reports_where_deepspeed_stops():
@@ -256,6 +260,53 @@ def test_dashboard_is_built_with_its_final_initial_state():
     moved.step_slider.value = 5
     for a, b in ((direct.histogram, moved.histogram), (direct.heatmap, moved.heatmap), (direct.trace, moved.trace)):
         assert figure_state(a) == figure_state(b)
+
+
+def bf16_run(steps=8):
+    """A bf16 run as the Recorder saves one: no loss scaler (scale 1 at every step), values in 2^-30..2^-2."""
+    run = make_run(steps, log2_scales=(0,) * steps)
+    run.meta["scaler"] = None
+    return run
+
+
+def test_dashboard_of_a_bf16_run_shows_its_values_not_the_whole_bf16_range():
+    run = bf16_run()
+    d = RunDashboard(run, "bf16")
+    lo, hi = d.histogram.layout.xaxis2.range
+    values = np.flatnonzero(run.counts[..., H.BELOW:H.ABOVE].sum(axis=(0, 1, 2))) + H.BELOW - 128   # binades held
+    assert lo <= values.min() and hi >= values.max() + 1
+    assert hi - lo < values.max() - values.min() + 10          # not 2^-136..2^130: the values fill the panel
+    assert tuple(d.heatmap.layout.yaxis.range) == (lo, hi)      # the heatmap shows the same binades
+    assert "smallest subnormal 2<sup>-133</sup>" in d.readout.value and "largest value 3.39e+38" in d.readout.value
+    d.step_slider.value = 5                                     # the step still moves the histogram
+    np.testing.assert_array_equal(d.counts, run.counts[0, 5].sum(axis=0))
+
+
+def test_dashboard_keeps_fp16_limits_near_the_values_on_its_axes():
+    d = RunDashboard(make_run(), "fp16")
+    lo, hi = d.histogram.layout.xaxis2.range
+    for s in (15, 16):                                          # the run's scales: both limits, at both
+        edges = region_edges("fp16", s)
+        assert lo < edges["subnormal"][0] and edges["overflow"][0] < hi
+    assert "off the axes" not in d.readout.value
+
+
+def test_dashboard_of_a_run_without_a_loss_scaler_has_no_scale_panel_and_one_domain():
+    d = RunDashboard(bf16_run(), "bf16")
+    assert d.trace is None and len(d.children) == 5             # selectors, slider, heatmap, histogram, readout
+    assert d.domain_buttons.disabled                           # scaled and unscaled values are the same
+    assert "no loss scaler" in d.readout.value
+    with_scaler = RunDashboard(make_run())
+    assert with_scaler.trace in with_scaler.children and not with_scaler.domain_buttons.disabled
+
+
+def test_dashboard_toggle_buttons_fit_their_labels_beside_their_description():
+    # checked in JupyterLab 4.6 + Chromium: a fixed 96px cut "weight_local" to "weight_lo…", and ipywidgets 8
+    # renders ToggleButtons as a block, which put "kind" and "values" on a line above their buttons
+    d = RunDashboard(make_run())
+    for buttons in (d.kind_buttons, d.domain_buttons):
+        assert buttons.style.button_width in ("auto", "")      # sized by the browser to each label
+        assert buttons.layout.display == "flex" and buttons.style.description_width == "initial"
 
 
 def test_dashboard_rejects_bad_arguments():

@@ -11,7 +11,12 @@ The questions AMP users ask, answered from what the Recorder stored::
 or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
 
 * ``nonfinite_gradient`` (error): gradients that went inf/nan *not* because of the loss scale, named by the
-  first tensor in backward order that held them (``Run.grad_order``), with the tensors they spread to;
+  first tensor in backward order that held them (``Run.grad_order``), with the tensors they spread to; read
+  through clipping after ``scaler.unscale_``, which turns an overflow's inf into nan;
+* ``gradient_underflow`` (error, or warning when it is not most steps): gradients that fp16 flushed to zero in
+  the backward, with or without a GradScaler: exact zeros where the distribution meets fp16's floor, whole
+  layers zero; with what GradScaler's defaults or the best static scale would have kept (``flushed_in_backward``
+  lists them per tensor);
 * ``forward_overflow`` (error) / ``forward_headroom`` (warning): recorded forward outputs
   (``Recorder(..., outputs=True)``) that overflow their dtype, or come within a factor 2 of it; a non-finite
   loss without recorded outputs;
@@ -34,15 +39,19 @@ from __future__ import annotations
 
 from ..run import Run
 from ._facts import SEVERITIES, Facts, plain
-from ._nonfinite import CAUSES, forward_findings, nonfinite_findings, step_causes
+from ._forward import forward_findings
+from ._nonfinite import CAUSES, nonfinite_findings, step_causes
 from ._render import as_html, as_text, headline
-from ._scale import rank_findings, scale_findings, scheduler_findings
+from ._scale import rank_findings, scale_findings
+from ._scheduler import scheduler_findings
 from ._switch import switch_table
+from ._underflow import flushed_in_backward as _flushed_in_backward
+from ._underflow import underflow_findings
 
-__all__ = ["diagnose", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
+__all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
 
-CHECKS = ("nonfinite_gradient", "forward_overflow", "forward_headroom", "init_scale_too_high", "scale_collapse",
-          "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped")
+CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
+          "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -62,8 +71,8 @@ def diagnose(run: Run) -> dict:
     """
     facts = Facts(run)
     causes = step_causes(facts)
-    found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + scale_findings(facts, causes)
-             + rank_findings(facts) + scheduler_findings(facts))
+    found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + underflow_findings(facts)
+             + scale_findings(facts, causes) + rank_findings(facts) + scheduler_findings(facts))
     found.sort(key=lambda f: _RANK[f["severity"]])
     return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
                           "precision": facts.precision, "scaler": facts.has_scaler,
@@ -72,18 +81,39 @@ def diagnose(run: Run) -> dict:
                   "switch": switch_table(facts)})
 
 
+def flushed_in_backward(run: Run) -> list[dict]:
+    """The gradient tensors of an fp16 run whose values fp16 flushed to zero in the backward (stored as exact zeros),
+    worst first: per tensor its ``steps``, ``all_zero_steps``, ``judged_steps``, ``zero_share`` and
+    ``subnormal_share`` (see ``gradient_underflow``); empty for other runs. Plain data."""
+    return plain([{k: v for k, v in x.items() if k not in ("row", "floor_offset")}
+                  for x in _flushed_in_backward(Facts(run))])
+
+
 def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
+    """What was checked; ``why``: why a check did not run, or which of the rows it reads never filled."""
     run = facts.run
-    rows = [("non-finite gradients", run.hist_steps.size > 0, "no histograms recorded"),
-            ("forward overflow" if facts.output_rows else "forward overflow (loss only)", True, ""),
-            ("loss-scale health", facts.has_scaler, "no GradScaler"),
-            ("ranks agree", facts.n_ranks > 1, "one rank"),
+    outputs = facts.output_rows and len(facts.empty_rows(facts.output_rows)) < len(facts.output_rows)
+    rows = [("non-finite gradients", run.hist_steps.size > 0, "no histograms recorded", facts.grad_rows),
+            ("fp16 underflow", facts.precision == "fp16" and run.hist_steps.size > 0 and bool(facts.grad_rows),
+             f"a {facts.precision} run by its recorded dtypes (no fp16 activation gradient or output, no GradScaler)"
+             if facts.precision != "fp16" else "no gradient histograms recorded", facts.grad_rows),
+            ("forward overflow" if outputs else "forward overflow (loss only)", True,
+             "", facts.output_rows),
+            ("loss-scale health", facts.has_scaler, "no GradScaler", []),
+            ("ranks agree", facts.n_ranks > 1, "one rank", []),
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
-             "no scheduler recorded: Recorder(..., scheduler=scheduler)"),
-            ("can I switch precision", facts.precision != "fp16", "already fp16")]
-    out = [{"check": name, "ran": bool(ran), "why": "" if ran else why} for name, ran, why in rows]
+             "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),
+            ("can I switch precision", facts.precision != "fp16", "already fp16", [])]
+    out = []
+    for name, ran, why, needs in rows:
+        empty = facts.empty_rows(needs) if ran and needs else []
+        if empty and len(empty) == len(needs) and needs is not facts.output_rows:   # nothing to read
+            ran, why = False, f"none of its {len(needs)} rows ever filled ({_names(run, empty)})"
+        elif empty:
+            why = f"{len(empty)} of its {len(needs)} rows never filled: {_names(run, empty)}"
+        out.append({"check": name, "ran": bool(ran), "why": why if (not ran or empty) else ""})
     if not facts.output_rows:
-        out[1]["why"] = "no forward outputs recorded: Recorder(..., outputs=True) names the layer"
+        out[2]["why"] = "no forward outputs recorded: Recorder(..., outputs=True) names the layer"
     unseen = [e["step"] for e in causes if e["skipped"] and e["cause"] == "unknown"]
     if unseen:
         out.append({"check": "causes of all skipped steps", "ran": False,
@@ -91,3 +121,8 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
                            f"{unseen[:3]}; histograms every {run.meta.get('every', 1)} steps): record every step "
                            f"(every=1) and all tensors to see their cause"})
     return out
+
+
+def _names(run: Run, rows: list) -> str:
+    names = [run.tensor_names[t] for t in rows]
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -21,6 +21,7 @@ SEVERITIES = ("error", "warning", "info")
 # neighbours' at its scale) reach within this many binades of the format's largest binade
 EDGE_BINADES = 2
 NEIGHBOURS = 4              # clean histogram rows looked at on each side of a skipped step
+CLIPPED_INF, CLIPPED_NAN = 1, 2     # how clip_grad_norm_ rewrote a non-finite step's weight gradients (Facts.clipped)
 
 
 def finding(check: str, severity: str, summary: str, *, recommendation: str, steps=(), tensors=(), ranks=(),
@@ -82,6 +83,16 @@ def names_text(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
+def best_static_log2(trace: np.ndarray, fmt) -> int | None:
+    """log2 of the largest static scale at which no finite step of a gradient trace (``ampviz.replay.trace_from_run``)
+    overflows ``fmt``; None when the trace has no finite non-zero step. Trace values are binades' lower edges
+    2**k, so k + s <= emax never overflows."""
+    finite = trace[np.isfinite(trace) & (trace > 0)]
+    if not finite.size:
+        return None
+    return min(int(fmt.emax - math.floor(math.log2(finite.max()))), 127)
+
+
 def percent(fraction: float) -> str:
     return f"{100 * fraction:.3g}%"
 
@@ -97,6 +108,7 @@ class Facts:
     grad_format : the format the scaled gradients were computed in (its overflow threshold decides skips).
     grad_rows, output_rows : tensor indices of gradient rows (weight, activation, weight_local) and of
         forward-output rows.
+    weight_rows : tensor indices of the (reduced, as the optimizer sees them) weight-gradient rows.
     """
 
     def __init__(self, run: Run):
@@ -106,6 +118,7 @@ class Facts:
         kinds = run.tensor_kinds
         self.grad_rows = [t for t, k in enumerate(kinds) if k in GRADIENT_KINDS]
         self.output_rows = [t for t, k in enumerate(kinds) if k == "output"]
+        self.weight_rows = [t for t, k in enumerate(kinds) if k == "weight"]
         dtypes = {run.tensor_dtypes[t] for t, k in enumerate(kinds) if k in ("activation", "output")}
         self.has_scaler = bool(run.meta.get("scaler"))
         if "torch.float16" in dtypes or (self.has_scaler and "torch.bfloat16" not in dtypes):
@@ -128,12 +141,48 @@ class Facts:
         return h if h < self.hist_pos.size and self.hist_pos[h] == position else None
 
     def nonfinite(self, r: int) -> tuple[np.ndarray, np.ndarray]:
-        """(H, T) counts of inf (or beyond 2**127) and of nan values, per row and tensor, of rank index r."""
+        """(H, T) counts of inf (or beyond 2**127) and of nan values, per row and tensor, of rank index r.
+
+        On a row clipped with an infinite norm (``clipped``) the weight rows' nan are counted as inf: they were
+        inf before the clip multiplied every gradient by 0.
+        """
         key = ("nonfinite", r)
         if key not in self._cache:
             c = self.run.counts[r]
-            self._cache[key] = (c[:, :, H.ABOVE], c[:, :, H.NAN])
+            inf, nan = c[:, :, H.ABOVE].copy(), c[:, :, H.NAN].copy()
+            rows = np.flatnonzero(self.clipped(r) == CLIPPED_INF)
+            if rows.size and self.weight_rows:
+                w = np.ix_(rows, self.weight_rows)
+                inf[w] += nan[w]
+                nan[w] = 0
+            self._cache[key] = (inf, nan)
         return self._cache[key]
+
+    def clipped(self, r: int) -> np.ndarray:
+        """(H,) per histogram row of rank index r: 0, or how ``clip_grad_norm_`` rewrote the weight gradients of
+        a step whose gradients were not finite (``scaler.unscale_(opt); clip_grad_norm_(...)``, Lightning's
+        ``gradient_clip_val``, HF Trainer's ``max_grad_norm``): ``CLIPPED_INF`` (the total norm was inf: every
+        gradient multiplied by 0, inf became nan and finite values 0) or ``CLIPPED_NAN`` (the norm was nan: every
+        value became nan). Read from the weight rows: no finite non-zero value left, some nan, no inf; never for
+        a GradScaler run whose loop did not call ``scaler.unscale_`` before ``scaler.step``
+        (``meta["unscaled_before_step"]``)."""
+        key = ("clipped", r)
+        if key not in self._cache:
+            out = np.zeros(self.run.hist_steps.size, dtype=np.int8)
+            # a GradScaler run whose loop never unscaled before scaler.step did not clip unscaled gradients
+            if self.weight_rows and self.run.meta.get("unscaled_before_step") is not False:
+                c = self.run.counts[r][:, self.weight_rows]                       # (H, W, NBINS)
+                finite = c[:, :, H.BELOW:H.ABOVE].sum(axis=(1, 2))
+                hit = (finite == 0) & (c[:, :, H.ABOVE].sum(axis=1) == 0) & (c[:, :, H.NAN].sum(axis=1) > 0)
+                out[hit] = np.where(c[hit][:, :, H.ZERO].sum(axis=1) > 0, CLIPPED_INF, CLIPPED_NAN)
+            self._cache[key] = out
+        return self._cache[key]
+
+    def empty_rows(self, rows) -> list:
+        """The tensor indices among ``rows`` that hold no value at any recorded step of any rank (never filled)."""
+        if not self.run.hist_steps.size:
+            return list(rows)
+        return [t for t in rows if not self.run.counts[:, :, t].any()]
 
     def finite_top(self, r: int, domain: str) -> np.ndarray:
         """(H, T) binade exponent k of the highest non-empty finite binade (2**k, 2**(k+1)] in ``domain``;

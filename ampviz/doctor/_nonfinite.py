@@ -1,5 +1,6 @@
 """Where non-finite values came from: per step, the first non-finite gradient in backward order and what
-caused it (the forward pass, the loss scale, or neither), and forward outputs that overflow their dtype.
+caused it (the forward pass, the loss scale, or neither); the ``nonfinite_gradient`` findings (the forward's
+own are in ``_forward``).
 
 Causes of a step whose gradients (or loss) are not finite, decided in this order:
 
@@ -14,14 +15,20 @@ Causes of a step whose gradients (or loss) are not finite, decided in this order
   largest binade (an overflow at the scale leaves a tail of large finite values next to the inf).
 * ``"loss scale"``: otherwise: the scaled gradients were at the edge of the format, an ordinary overflow
   that GradScaler answers by backing off.
+
+Clipping after ``scaler.unscale_`` rewrites a skipped step's weight gradients before the Recorder reads them
+(``Facts.clipped``): an infinite total norm multiplies every gradient by 0, so inf becomes nan and every finite
+value 0; a nan norm makes every value nan. Their nan are then read as the inf they were, and an inf in a weight
+gradient whose finite values the clip erased, at a step the scaler skipped, is an ordinary overflow; after a nan
+norm the weight gradients say nothing about where it started (activation gradients, recorded in the backward
+before any clip, still do).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..formats import get_format
-from ._facts import NEIGHBOURS, Facts, finding, names_text, scale_text, steps_text
+from ._facts import CLIPPED_INF, CLIPPED_NAN, NEIGHBOURS, Facts, finding, names_text, scale_text, steps_text
 
 CAUSES = ("forward", "loss scale", "not the loss scale", "unknown")
 
@@ -78,15 +85,20 @@ def _origin(facts: Facts, r: int, h: int, inf: np.ndarray, nan: np.ndarray) -> d
     bad = [t for t in facts.grad_rows if inf[t] + nan[t] > 0]
     order, recorded = facts.backward_rank(r, h)
     bad.sort(key=lambda t: order[t])
-    sources = _sources(facts, bad, order)
+    clipped = int(facts.clipped(r)[h])
+    # after a nan norm every weight gradient is nan: none of them tells where the nan started
+    blind = set(facts.weight_rows) if clipped == CLIPPED_NAN else set()
+    sources = _sources(facts, [t for t in bad if t not in blind], order)
     outputs = [t for t in facts.output_rows if inf[t] + nan[t] > 0]
     nearest = min(facts.grad_rows, key=lambda g: order[g]) if facts.grad_rows else None
     return {"inf": {names[t]: int(inf[t]) for t in bad if inf[t]},
             "nan": {names[t]: int(nan[t]) for t in bad if nan[t]},
             "order_recorded": recorded, "spread": [names[t] for t in bad if t not in sources],
+            "clipped": {0: None, CLIPPED_INF: "inf norm", CLIPPED_NAN: "nan norm"}[clipped],
             "forward_origin": _layer(names[outputs[0]]) if outputs else None,
             "sources": [{"tensor": names[t], "row": t, "kind": run.tensor_kinds[t], "inf": int(inf[t]),
                          "nan": int(nan[t]), "nearest_loss": t == nearest, "spread": _spread_of(t, sources, bad, names),
+                         "clipped": clipped == CLIPPED_INF and run.tensor_kinds[t] == "weight",
                          "next_module": _next_module(facts, t, order)} for t in sources]}
 
 
@@ -147,6 +159,8 @@ def _source_cause(facts: Facts, src: dict) -> str:
         return "forward"            # the loss's own backward gave nan: the loss or the output was not finite
     if not facts.has_scaler or (src["nan"] and not src["inf"]):
         return "not the loss scale"
+    if src["clipped"]:              # the clip erased its finite values (and shrank its neighbours'): no evidence
+        return "loss scale"         # against the ordinary explanation of an inf at a scaled step
     return "loss scale" if src["edge_gap"] <= 0 else "not the loss scale"
 
 
@@ -166,42 +180,63 @@ def _cause(e: dict, bad_loss: bool, h) -> str:
 
 # ---------------------------------------------------------------------------------------- findings
 def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
-    """One error per origin tensor of the non-finite gradients that the loss scale does not explain."""
+    """One error per module whose backward made non-finite gradients that the loss scale does not explain, named
+    by the first tensor that held them (a layer's output gradient before its weights': it carries them on)."""
     groups = {}
     for e in causes:
+        if e["cause"] == "forward":
+            continue
+        made = {}
         for src in e["sources"]:
-            if src["cause"] == "not the loss scale" and e["cause"] != "forward":
-                groups.setdefault(src["tensor"], []).append(dict(e, origin=src["tensor"], origin_kind=src["kind"],
-                                                                 origin_inf=src["inf"], origin_nan=src["nan"],
-                                                                 next_module=src["next_module"],
-                                                                 edge_gap=src["edge_gap"], spread=src["spread"]))
+            if src["cause"] == "not the loss scale":
+                made.setdefault(_made_in(src), []).append(src)
+        for srcs in made.values():
+            src = min(srcs, key=lambda x: x["kind"] != "activation")
+            also = [x["tensor"] for x in srcs if x is not src]
+            groups.setdefault(_made_in(src), []).append(dict(
+                e, origin=src["tensor"], origin_kind=src["kind"], origin_inf=src["inf"], origin_nan=src["nan"],
+                next_module=src["next_module"], edge_gap=src["edge_gap"], also=also,
+                spread=list(dict.fromkeys(n for x in srcs for n in x["spread"] if n not in also))))
     out = []
-    for origin, entries in groups.items():
+    for entries in groups.values():
         first = entries[0]
+        origin = first["origin"]
         steps = sorted({e["step"] for e in entries})
-        spread = list(dict.fromkeys(n for e in entries for n in e["spread"]))
+        also = list(dict.fromkeys(n for e in entries for n in e["also"]))
+        spread = list(dict.fromkeys(n for e in entries for n in e["spread"] if n not in also))
         kind = "gradient of its output" if first["origin_kind"] == "activation" else "weight gradient"
         what = _inf_nan(first["origin_inf"], first["origin_nan"])
         applied = [e["step"] for e in entries if not e["skipped"]]
-        summary = (f"non-finite gradients start at {origin} ({kind}: {what}) at {_n_steps(steps)}; not caused by "
-                   f"the loss scale" + (f"; spread to {len(spread)} more tensors" if spread else ""))
+        summary = (f"non-finite gradients start at {origin} ({kind}: {what})"
+                   + (f" and, in the same backward, {names_text(also, 3)}" if also else "")
+                   + f" at {_n_steps(steps)}; not caused by the loss scale"
+                   + (f"; spread to {len(spread)} more tensors" if spread else ""))
         details = [_step_line(facts, e) for e in entries[:3]]
         if len(entries) > 3:
             details.append(f"... and {len(entries) - 3} more steps: {steps_text(steps[3:])}")
         if applied:
             details.append(f"the optimizer applied these steps (no GradScaler skipped them): {steps_text(applied)}; "
                            f"the weights may now hold inf/nan")
+        details += clip_lines(entries)
         if not first["order_recorded"]:
             details.append("backward order not recorded in this run: guessed from the module order")
         out.append(finding(
-            "nonfinite_gradient", "error", summary, steps=steps, tensors=[origin] + spread,
+            "nonfinite_gradient", "error", summary, steps=steps, tensors=[origin] + also + spread,
             ranks=sorted({e["rank"] for e in entries}), details=details,
             evidence={"origin": origin, "origin_kind": first["origin_kind"], "steps": steps,
                       "per_step": [{k: e[k] for k in ("step", "rank", "skipped", "loss_scale", "inf", "nan",
                                                       "edge_gap")} for e in entries[:20]],
-                      "applied_steps": applied, "next_module": first.get("next_module")},
+                      "applied_steps": applied, "next_module": first.get("next_module"), "same_backward": also},
             recommendation=_origin_advice(first)))
     return out
+
+
+def _made_in(src: dict) -> str:
+    """The module whose backward made a source's non-finite values: a weight gradient's own module; for the
+    gradient of a module's output, the recorded module after it (its backward, or the ops in between)."""
+    if src["kind"] == "activation":
+        return src["next_module"] or ""
+    return src["tensor"].removesuffix(" [local]").rsplit(".", 1)[0]
 
 
 def _n_steps(steps) -> str:
@@ -225,6 +260,23 @@ def _step_line(facts: Facts, e: dict) -> str:
             + f"; {reach}, {facts.grad_format.name} overflows from 2^{facts.grad_format.emax + 1}")
 
 
+CLIP_TEXT = {"inf norm": "every weight gradient holds only nan and zeros, as clip_grad_norm_ leaves them after an "
+                         "infinite total norm (inf x 0 = nan, finite x 0 = 0), or an overflow that reached every "
+                         "weight: their nan are read as the inf they were",
+             "nan norm": "every weight gradient is nan (clip_grad_norm_ after a nan total norm, or a nan that "
+                         "reached every weight): they do not tell where it started; the activation gradients, "
+                         "recorded in the backward before any clip, do"}
+
+
+def clip_lines(entries) -> list[str]:
+    """One line per way clipping rewrote the weight gradients of these steps (``CLIP_TEXT``), with the steps."""
+    by = {}
+    for e in entries:
+        if e.get("clipped"):
+            by.setdefault(e["clipped"], []).append(e["step"])
+    return [f"steps {steps_text(sorted(set(steps)))}: {CLIP_TEXT[how]}" for how, steps in by.items()]
+
+
 def _origin_advice(e: dict) -> str:
     origin, nxt = e["origin"], e.get("next_module")
     if e["origin_kind"] == "activation":
@@ -238,101 +290,6 @@ def _origin_advice(e: dict) -> str:
             "A lower loss scale does not fix it.")
 
 
-def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
-    """Errors for forward outputs that overflowed (by first layer in module order) or a non-finite loss;
-    a warning for outputs within one binade of their dtype's maximum."""
-    out = _overflowing_outputs(facts)
-    seen = {s for f in out for s in f["steps"]}
-    lost = [e for e in causes if e["cause"] == "forward" and e["step"] not in seen and not e.get("forward_origin")]
-    if lost:
-        steps = sorted({e["step"] for e in lost})
-        hint = ("" if facts.output_rows else
-                " Record the forward outputs (Recorder(..., outputs=True)) to name the layer that overflowed.")
-        by_grad = [e for e in lost if e["forward_reason"] == "output gradient"]
-        what = ("the loss was not finite" if not by_grad else
-                f"the gradient of the model's output ({by_grad[0]['origin']}) was nan, so the loss or the output "
-                f"was not finite")
-        out.append(finding(
-            "forward_overflow", "error", f"{what} at {_n_steps(steps)}: the forward pass overflowed or produced "
-            f"nan", steps=steps, ranks=sorted({e["rank"] for e in lost}),
-            evidence={"steps": steps, "loss": [e["loss"] for e in lost[:20]],
-                      "reasons": sorted({e["forward_reason"] for e in lost})},
-            details=[f"step {e['step']} (rank {e['rank']}): loss {e['loss']:g}"
-                     + (f", {e['origin']} holds {_inf_nan(e['origin_inf'], e['origin_nan'])}"
-                        if e["forward_reason"] == "output gradient" else "") for e in lost[:3]],
-            recommendation="No loss scale fixes this: the loss scale multiplies the backward pass only. Run the op "
-                           "that overflows in bf16 or fp32 (bf16 autocast, or autocast(enabled=False) around it "
-                           "with its inputs cast to float32)." + hint))
-    return out + _headroom(facts)
-
-
-def _overflowing_outputs(facts: Facts) -> list[dict]:
-    run, groups = facts.run, {}
-    for r in range(facts.n_ranks):
-        inf, nan = facts.nonfinite(r)
-        for h in range(run.hist_steps.size):
-            bad = [t for t in facts.output_rows if inf[h, t] + nan[h, t] > 0]
-            if bad:
-                groups.setdefault(bad[0], []).append((r, h, bad[1:]))
-    out = []
-    for t, hits in groups.items():
-        name, dtype = _layer(run.tensor_names[t]), run.tensor_dtypes[t].removeprefix("torch.")
-        steps = sorted({int(run.hist_steps[h]) for _, h, _ in hits})
-        r0, h0, spread0 = hits[0]
-        inf, nan = facts.nonfinite(r0)
-        top = facts.finite_top(r0, "recorded")[:, t]
-        before = top[:h0][np.isfinite(top[:h0])]
-        loss = run.loss[r0, facts.hist_pos[h0]]
-        spread = list(dict.fromkeys(_layer(run.tensor_names[s]) for _, _, sp in hits for s in sp))
-        details = [f"step {steps[0]} (rank {run.ranks[r0]}): {name}'s outputs hold "
-                   f"{_inf_nan(int(inf[h0, t]), int(nan[h0, t]))}; loss {loss:g}"
-                   + (f"; then {names_text([_layer(run.tensor_names[s]) for s in spread0], 4)}" if spread0 else "")]
-        if before.size:
-            details.append(f"before step {steps[0]} its largest finite outputs reached 2^{before.max() + 1:g}")
-        out.append(finding(
-            "forward_overflow", "error", f"{name}'s outputs overflow {dtype} at {_n_steps(steps)}: "
-            f"{_inf_nan(int(inf[h0, t]), int(nan[h0, t]))} at step {steps[0]}; no loss scale fixes this",
-            steps=steps, tensors=[name] + spread,
-            ranks=sorted({run.ranks[r] for r, _, _ in hits}), details=details,
-            evidence={"layer": name, "dtype": dtype, "steps": steps, "first_step_inf": int(inf[h0, t]),
-                      "first_step_nan": int(nan[h0, t]), "first_step_loss": float(loss),
-                      "largest_finite_before_log2": float(before.max() + 1) if before.size else None,
-                      "spread": spread},
-            recommendation=f"The loss scale multiplies the backward pass only. Run {name} (or the op in it that "
-                           f"overflows) in bf16 or fp32: bf16 autocast, or autocast(enabled=False) around it "
-                           f"with its input cast to float32; or keep its outputs smaller (normalisation, smaller "
-                           f"init)."))
-    return out
-
-
 def _layer(name: str) -> str:
     """The module of a forward-output row ("fc2 [output]" -> "fc2")."""
     return name.removesuffix(" [output]")
-
-
-def _headroom(facts: Facts) -> list[dict]:
-    run, out = facts.run, []
-    for t in facts.output_rows:
-        dtype, layer = run.tensor_dtypes[t].removeprefix("torch."), _layer(run.tensor_names[t])
-        if dtype not in ("float16", "bfloat16"):
-            continue
-        fmt = get_format(dtype)
-        hits = []
-        for r in range(facts.n_ranks):
-            inf, nan = facts.nonfinite(r)
-            top = facts.finite_top(r, "recorded")[:, t]
-            rows = np.flatnonzero((top >= fmt.emax) & (inf[:, t] + nan[:, t] == 0))
-            hits += [(r, h) for h in rows]
-        if hits:
-            steps = sorted({int(run.hist_steps[h]) for _, h in hits})
-            out.append(finding(
-                "forward_headroom", "warning", f"{layer}'s {dtype} outputs come within a factor 2 of "
-                f"{dtype}'s maximum ({fmt.max:g}) at {_n_steps(steps)}", steps=steps, tensors=[layer],
-                ranks=sorted({run.ranks[r] for r, _ in hits}),
-                evidence={"layer": layer, "dtype": dtype, "steps": steps,
-                          "binade": f"(2^{fmt.emax}, 2^{fmt.emax + 1}]"},
-                details=[f"outputs in (2^{fmt.emax}, {fmt.max:g}] at steps {steps_text(steps)}"],
-                recommendation=f"One more doubling overflows to inf, and no loss scale helps the forward pass: "
-                               f"consider running {layer} in bf16 or fp32."))
-    return out
-

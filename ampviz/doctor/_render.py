@@ -1,44 +1,67 @@
-"""The doctor's diagnosis as text (``ampviz doctor``) and as the report's HTML Findings section."""
+"""The doctor's diagnosis as text (``ampviz doctor``, wrapped to the terminal's width, or to a given width, at
+word boundaries) and as HTML (the report's Findings section; a notebook shows a diagnosis this way)."""
 
 from __future__ import annotations
 
 import html
+import shutil
+import sys
+import textwrap
 
+from .._text import printable
 from ._facts import percent
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}
+WIDTH = 88                  # the width of text where there is no terminal to measure (a pipe, a notebook)
 
 
 def headline(diagnosis: dict) -> str:
     """``"clean: no findings"`` or ``"3 findings (1 error, 2 warnings)"``."""
     found = diagnosis["findings"]
     if not found:
-        skips = [e for e in diagnosis["nonfinite_steps"] if e["skipped"]]
-        return "clean: no findings" + (f"; its {len(skips)} skipped step{'s were' if len(skips) != 1 else ' was'} "
-                                       f"ordinary loss-scale overflows" if skips else "")
+        n = sum(e["skipped"] for e in diagnosis["nonfinite_steps"])
+        return "clean: no findings" + ("" if not n else "; its 1 skipped step was an ordinary loss-scale overflow"
+                                       if n == 1 else f"; its {n} skipped steps were ordinary loss-scale overflows")
     counts = {s: sum(f["severity"] == s for f in found) for s in _ORDER}
     parts = [f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n]
     return f"{len(found)} finding{'s' if len(found) != 1 else ''} ({', '.join(parts)})"
 
 
 def checks_line(diagnosis: dict) -> list[str]:
-    ran = [c["check"] for c in diagnosis["checks"] if c["ran"]]
+    """"checked: ..." (with rows that never filled, where some did not) and "not checked: ... (why)"."""
+    ran = [c["check"] + (f" ({c['why']})" if c["why"] else "") for c in diagnosis["checks"] if c["ran"]]
     skipped = [f"{c['check']} ({c['why']})" for c in diagnosis["checks"] if not c["ran"]]
     lines = [f"checked: {', '.join(ran)}"] if ran else []
     return lines + ([f"not checked: {'; '.join(skipped)}"] if skipped else [])
 
 
-def as_text(diagnosis: dict, label: str = "run") -> str:
-    """The diagnosis of one run as lines of text: one line per finding, its evidence indented below it."""
-    lines = [f"{label}: {headline(diagnosis)}"]
+def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> str:
+    """The diagnosis of one run as lines of text: one line per finding, its evidence indented below it.
+
+    ``width``: wrap lines at word boundaries to this many characters, continuation lines indented (default: the
+    terminal's width; ``WIDTH`` in a notebook, whose output area is not the terminal its kernel started in, and
+    where there is no terminal, e.g. a pipe); 0 never wraps. Control and bidi characters (from tensor names, the
+    label) are escaped: the text goes to terminals.
+    """
+    if width is None:
+        width = WIDTH if "ipykernel" in sys.modules else shutil.get_terminal_size((WIDTH, 24)).columns
+    lines = [(f"{label}: {headline(diagnosis)}", None)]         # never wrapped: one line per run, for scripts
     for f in diagnosis["findings"]:
-        lines.append(f"  [{f['severity']}] {f['check']}: {f['summary']}")
-        lines += [f"      {d}" for d in f["details"]]
-        lines.append(f"      what to do: {f['recommendation']}")
-    lines += [f"  {line}" for line in checks_line(diagnosis)]
+        lines.append((f"  [{f['severity']}] {f['check']}: {f['summary']}", "      "))
+        lines += [(f"      {d}", "        ") for d in f["details"]]
+        lines.append((f"      what to do: {f['recommendation']}", "        "))
+    lines += [(f"  {line}", "    ") for line in checks_line(diagnosis)]
     if diagnosis.get("switch"):
-        lines += switch_text(diagnosis["switch"])
-    return "\n".join(lines)
+        lines += [(line, "      ") for line in switch_text(diagnosis["switch"])]
+    return "\n".join(_wrap(printable(text), indent, width) for text, indent in lines)
+
+
+def _wrap(text: str, indent: str | None, width: int) -> str:
+    if indent is None or width <= 0 or len(text) <= width:
+        return text
+    first = text[:len(text) - len(text.lstrip())]
+    return textwrap.fill(text.strip(), width, initial_indent=first, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _table(sw: dict) -> tuple[list[str], list[list[str]]]:
@@ -46,7 +69,7 @@ def _table(sw: dict) -> tuple[list[str], list[list[str]]]:
     body = []
     for t in sw["tensors"]:
         cells = [_cell(t["shares"][tg["target"]]) for tg in sw["targets"]]
-        body.append([t["tensor"], t["kind"]] + cells + [t["verdict"]])
+        body.append([printable(t["tensor"]), t["kind"]] + cells + [t["verdict"]])
     return head, body
 
 

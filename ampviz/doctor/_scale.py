@@ -1,7 +1,7 @@
 """Loss-scale health: a too-high init_scale, a collapsing scale, skips more frequent than the growth
-interval allows, a scale growing without bound, ranks that disagree, and an LR scheduler that steps on
-skipped steps. Each finding quotes the steps and scales, and what replays of other scalers would have
-done over the recorded gradient trace (``ampviz.replay.replay``: a counterfactual)."""
+interval allows, a scale growing without bound, and ranks that disagree. Each finding quotes the steps and
+scales, and what replays of other scalers would have done over the recorded gradient trace
+(``ampviz.replay.replay``: a counterfactual)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import math
 import numpy as np
 
 from ..replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_run, replay, trace_from_run
-from ._facts import Facts, finding, scale_text, steps_text
+from ._facts import Facts, best_static_log2, finding, scale_text, steps_text
+from ._nonfinite import clip_lines
 
 COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse
+SETTLE_GAP = 4              # clean steps after which a too-high init_scale has settled (fewer: still backing off)
 FREQUENT_MIN = 3           # loss-scale overflows after the start before frequent_skips can be reported
 UNBOUNDED_LOG2 = 40         # a loss scale of 2**40 or more: every gradient is below 2**-24, fp16's smallest
 
@@ -33,17 +35,36 @@ class _Scales:
         self.cause = {e["step"]: e for e in causes if e["rank"] == run.ranks[0]}
         self.policy = policy_from_run(run)
         runs = streaks(self.skipped)
-        self.burst = None
-        if runs and runs[0][0] == 0 and runs[0][1] < run.n_steps and self.next[runs[0][1] - 1] >= 1 and all(
-                self._by_scale(p) for p in range(*runs[0])):
-            self.burst = runs[0]
-        self.collapses = [s for s in runs if s != self.burst and (s[1] - s[0] >= COLLAPSE_STREAK
-                                                                 or self.next[s[0]:s[1]].min() < 1)]
+        self.burst = self._backing_off(runs)
+        after = self.burst[1] if self.burst else 0
+        self.collapses = [s for s in runs if s[0] >= after and (s[1] - s[0] >= COLLAPSE_STREAK
+                                                               or self.next[s[0]:s[1]].min() < 1)]
         steady = np.ones(run.n_steps, dtype=bool)
         for a, b in ([self.burst] if self.burst else []) + self.collapses:
             steady[a:b] = False
         self.steady = steady
         self._trace = None
+
+    def _backing_off(self, runs: list):
+        """(0, stop): the start of a run whose first step was skipped, until the scale settled: the skips (all by
+        the scale) before the scale first grew, each fewer than SETTLE_GAP clean steps after the previous one (the
+        gradients fluctuate around fp16's edge while the scale comes down, so some steps pass on the way)."""
+        if not runs or runs[0][0] != 0:
+            return None
+        grown = self.run.grown[0]
+        stop = runs[0][1]
+        for a, b in runs[1:]:
+            if a - stop >= SETTLE_GAP or grown[stop:a].any():
+                break
+            stop = b
+        skipped = np.flatnonzero(self.skipped[:stop])
+        if stop == self.run.n_steps or self.next[stop - 1] < 1 or not all(self._by_scale(p) for p in skipped):
+            return None
+        return (0, stop)
+
+    def clip_lines(self, positions) -> list[str]:
+        """How clipping rewrote the weight gradients of the steps at these positions (evidence read as such)."""
+        return clip_lines(self.cause[s] for s in self.run.steps[list(positions)].tolist() if s in self.cause)
 
     def _cause(self, p: int) -> str:
         e = self.cause.get(int(self.run.steps[p]))
@@ -85,11 +106,7 @@ class _Scales:
 
     def best_static(self) -> int | None:
         """log2 of the largest static scale at which no clean recorded step overflows (None: no clean step)."""
-        clean = self.trace[np.isfinite(self.trace) & (self.trace > 0)]
-        if not clean.size:
-            return None
-        # trace values are binades' lower edges 2**k; k + s <= emax never overflows
-        return int(self.facts.grad_format.emax - math.floor(math.log2(clean.max())))
+        return best_static_log2(self.trace, self.facts.grad_format)
 
     def alternatives(self, slower_growth: bool = True) -> dict:
         """Other scalers to replay: as recorded, (growing 4x less often,) DeepSpeed, Megatron, best static."""
@@ -144,18 +161,21 @@ def _init_finding(sc: _Scales) -> dict:
     a, b = sc.burst
     run, p = sc.run, sc.policy
     settled = float(sc.next[b - 1])
-    steps = run.steps[a:b].tolist()
+    skipped = np.flatnonzero(sc.skipped[a:b]) + a
+    steps = run.steps[skipped].tolist()
     rep = sc.replays({f"init_scale {scale_text(settled)}": TorchPolicy(settled, p.growth_factor, p.backoff_factor,
                                                                        p.growth_interval)}, (a, b))
-    n = b - a
+    n = len(steps)
+    which = (f"the first {n} step{'s were' if n > 1 else ' was'}" if n == b - a else
+             f"{n} of the first {b - a} steps were")
     return finding(
-        "init_scale_too_high", "info", f"init_scale {scale_text(sc.scale[0])} is too high: the first {n} step"
-        f"{'s were' if n > 1 else ' was'} skipped while the scale backed off to {scale_text(settled)}; harmless",
-        steps=steps, ranks=[run.ranks[0]],
-        evidence={"skipped_at_start": n, "init_scale": float(sc.scale[0]), "settled_scale": settled,
-                  "replays": rep},
-        details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}",
-                 *_replay_lines(rep, n), _REPLAY_CAVEAT],
+        "init_scale_too_high", "info", f"init_scale {scale_text(sc.scale[0])} is too high: {which} skipped while the "
+        f"scale backed off to {scale_text(settled)}; harmless", steps=steps, ranks=[run.ranks[0]],
+        evidence={"skipped_at_start": n, "backing_off_steps": b - a, "init_scale": float(sc.scale[0]),
+                  "settled_scale": settled, "replays": rep},
+        details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}"
+                 + ("" if n == b - a else " (the steps between them passed at the scales on the way down)"),
+                 *sc.clip_lines(skipped), *_replay_lines(rep, b - a), _REPLAY_CAVEAT],
         recommendation=f"Harmless: GradScaler backs off on every overflow, so this costs {n} optimizer step"
                        f"{'s' if n > 1 else ''} once. To avoid them, start lower: GradScaler(device, "
                        f"init_scale={_python_number(settled)}). Don't mistake them for instability, and step the "
@@ -221,7 +241,7 @@ def _frequent_finding(sc: _Scales):
         steps=steps, ranks=[run.ranks[0]],
         evidence={"skipped": len(counted), "steady_steps": n_steady, "growth_interval": g, "allowed": allowed,
                   "replays": rep},
-        details=[f"skipped steps: {steps_text(steps)}"] + [
+        details=[f"skipped steps: {steps_text(steps)}", *sc.clip_lines(counted)] + [
             f"replay, {k}: {v['skipped']} skipped on these {n_steady} steps" + (
                 f"; stops the run at step {v['crashed_at']}" if v["crashed_at"] is not None else "")
             for k, v in rep.items()] + [_REPLAY_CAVEAT],
@@ -281,45 +301,6 @@ def rank_findings(facts: Facts) -> list[dict]:
                        "every rank calls scaler.step/update the same number of times; sharded gradients (FSDP, "
                        "ZeRO) need found_inf all-reduced (ShardedGradScaler); don't unscale_ or clip local "
                        "gradients before the all-reduce.")]
-
-
-def scheduler_findings(facts: Facts) -> list[dict]:
-    """How many LR-scheduler steps advanced on steps the scaler skipped (rank 0)."""
-    run = facts.run
-    if run.scheduler_steps is None or run.n_steps == 0:
-        return []
-    last_epoch = run.scheduler_steps[0].astype(np.int64)
-    start = _scheduler_start(run, last_epoch)
-    # step 0 advanced if last_epoch moved from where it was when recording began (not judged if unknown)
-    advanced = np.diff(np.concatenate([[last_epoch[0] if start is None else start], last_epoch])) > 0
-    hit = np.flatnonzero(advanced & run.skipped[0])
-    if not hit.size:
-        return []
-    steps = run.steps[hit].tolist()
-    n_skipped = int(run.skipped[0].sum())
-    taken = run.n_steps - n_skipped
-    return [finding(
-        "scheduler_on_skipped", "warning", f"the LR scheduler advanced on {len(hit)} of {n_skipped} skipped steps: "
-        f"its schedule runs {len(hit)} steps ahead of the optimizer", steps=steps, ranks=[run.ranks[0]],
-        evidence={"advanced_on_skipped": len(hit), "skipped": n_skipped, "optimizer_steps": taken,
-                  "scheduler_last_epoch": int(last_epoch[-1]), "scheduler_start": start},
-        details=[f"scheduler advanced on skipped steps {steps_text(steps)}",
-                 f"after {run.n_steps} steps: {taken} optimizer updates, scheduler last_epoch {int(last_epoch[-1])}"],
-        recommendation="Step the scheduler only when the optimizer stepped: `before = scaler.get_scale(); "
-                       "scaler.update(); if scaler.get_scale() >= before: scheduler.step()` (a host sync, as "
-                       "accelerate's optimizer_step_was_skipped does for HF's Trainer). Lightning steps schedulers "
-                       "on skipped steps (Lightning#16228, #18828). A few skips at the start only delay warm-up.")]
-
-
-def _scheduler_start(run, last_epoch: np.ndarray):
-    """The scheduler's ``last_epoch`` when recording began: stored in the run's metadata (by the Recorder), or
-    0 for a fresh scheduler (a torch scheduler's constructor leaves ``last_epoch`` at 0, so after the first step it is 0
-    or 1); None when unknown (a resumed scheduler)."""
-    sched = run.meta.get("scheduler")
-    value = sched.get("last_epoch_at_start") if isinstance(sched, dict) else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return 0 if last_epoch[0] in (0, 1) else None
 
 
 def _python_number(value: float) -> str:

@@ -20,7 +20,7 @@ from .. import histogram as H
 from ..formats import FP16
 from ..replay import StaticPolicy, TorchPolicy, replay, trace_from_run
 from ..tensor_scaling import amax_log2_scales
-from ._facts import Facts, percent, scale_text
+from ._facts import Facts, best_static_log2, percent, scale_text
 
 OK_SHARE = 1e-3
 
@@ -78,9 +78,8 @@ def _fp16_targets(facts: Facts, trace, ok_rows):
     yield "fp16 (dynamic scaler)", np.rint(np.log2(dyn.scale[pos])).astype(np.int64), {
         "scaling": "GradScaler defaults (init 2^16, growth_interval 2000), replayed",
         "skipped_steps": dyn.n_skipped, "scale_range": [float(dyn.scale.min()), float(dyn.scale.max())]}
-    finite = trace[np.isfinite(trace) & (trace > 0)]
-    # fp16's largest binade is (2**15, 2**16]; a trace value is a binade's lower edge 2**k, so k + s <= 15 is safe
-    best = min(int(FP16.emax - np.floor(np.log2(finite.max()))), 127) if finite.size else 0
+    best = best_static_log2(trace, FP16)
+    best = 0 if best is None else best
     static = replay(StaticPolicy(init_scale=2.0 ** best), trace)
     yield "fp16 (static scale)", best, {"scaling": f"static {scale_text(2.0 ** best)}, the largest with no "
                                                    f"recorded step overflowing", "log2_scale": best,

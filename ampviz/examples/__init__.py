@@ -4,5 +4,6 @@
     torchrun --nproc-per-node 2 -m ampviz.examples.ddp_basics                 # process-group basics
 
 ``ddp_amp`` trains with DDP + AMP + gradient accumulation and records every rank; ``trainer`` holds
-its Trainer; ``ddp_basics`` holds the small rank functions of lesson 10.
+its Trainer (``evaluation`` its evaluation methods); ``ddp_basics`` holds the small rank functions of
+lessons 10 and 10b.
 """

@@ -1,4 +1,4 @@
-"""Process-group basics, one small function per idea (lessons 10 and 11 run them on 2 ranks).
+"""Process-group basics, one small function per idea (lessons 10, 10b, 11 and 11b run them on 2 ranks).
 
 Each function joins the process group with :func:`ampviz.examples.distributed.init_from_env` (torchrun's
 environment) and returns plain data, so a notebook can run it with ``ampviz.examples.distributed.launch``::
@@ -124,8 +124,10 @@ class _Offset(torch.nn.Module):
 
 def forward_broadcasts() -> dict:
     """What a DDP forward sends: rank 1 changes a parameter and a buffer after the constructor;
-    after one forward, rank 0's buffer has overwritten rank 1's (``broadcast_buffers=True``), the
-    changed parameter has not (parameters are broadcast once, in the constructor)."""
+    after one forward, rank 0's buffer has overwritten rank 1's (``forward_sync_buffers``, by default
+    on; ``broadcast_buffers`` before torch 2.13), the changed parameter has not (parameters are
+    broadcast once, in the constructor). Whether the next forward syncs buffers depends on the grad
+    mode of the previous one: reported after a training forward and after a ``no_grad`` one."""
     env = init_from_env(timeout=60)
     torch.manual_seed(0)
     ddp = _ddp(_Offset(), env)
@@ -134,9 +136,13 @@ def forward_broadcasts() -> dict:
             ddp.module.linear.bias.add_(1.0)                  # a parameter, changed on rank 1 only
             ddp.module.offset.fill_(5.0)                      # a buffer, changed on rank 1 only
     ddp(torch.ones(3, 4, device=env.device)).sum().backward()  # one forward (and its backward)
-    return {"rank": env.rank, "buffer after forward": ddp.module.offset.tolist(),
-            "bias after forward": [round(v, 6) for v in ddp.module.linear.bias.tolist()],
-            "forward syncs buffers": ddp.will_sync_module_buffers()}
+    out = {"rank": env.rank, "buffer after forward": ddp.module.offset.tolist(),
+           "bias after forward": [round(v, 6) for v in ddp.module.linear.bias.tolist()],
+           "forward syncs buffers": ddp.will_sync_module_buffers()}
+    with torch.no_grad():
+        ddp(torch.ones(3, 4, device=env.device))             # both ranks: it broadcasts the buffers once more
+    out["syncs after a no_grad forward"] = ddp.will_sync_module_buffers()   # the previous forward decides
+    return out
 
 
 def sampler_shares(n: int, epochs: int, seed: int = 0) -> dict:
@@ -232,7 +238,7 @@ def sharded_evaluation(n_examples: int = 359) -> dict:
 
 
 def restore_and_broadcast(path: str, lr: float = 1e-3) -> dict:
-    """Resume from a checkpoint the way a widely read DDP walkthrough does: model on rank 0, then DDP's
+    """Resume from a checkpoint the way the walkthrough 模型训练（二） (Soup's Blog) does: model on rank 0, then DDP's
     broadcast; optimizer state restored on every rank, or (the mistake) on rank 0 only. One step each;
     checksums returned."""
     env = init_from_env(timeout=60)

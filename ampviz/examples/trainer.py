@@ -8,6 +8,12 @@ AI大模型面试宝典, 2023), with its mistakes fixed:
 * no ``barrier()`` in the training step: DDP's gradient all-reduce already keeps ranks in step;
   the one barrier is after rank 0's evaluation and checkpoint, so no rank runs ahead of the file;
 * gradient accumulation skips the all-reduce with ``no_sync()`` on the micro-batches that do not step;
+* ``optimizer.zero_grad()`` after every step (the article never clears the gradients, so each step adds
+  to all the previous ones);
+* optional clipping after ``scaler.unscale_`` (``max_grad_norm``), and an LR ``scheduler`` that steps
+  only when the optimizer did (a step the scaler skipped leaves the schedule where it was);
+* resumable checkpoints (:meth:`Trainer.state_dict`: model, optimizer, scaler, scheduler and step),
+  written by rank 0 and restored on **every** rank (:meth:`Trainer.resume`);
 * ``train(loader, sampler, steps, dev=None)`` (the article put a required argument after a defaulted
   one, which does not parse), and ``sampler.set_epoch(epoch)`` at every epoch;
 * evaluation counts every example once: on rank 0 over the whole dev / test set with the unwrapped
@@ -18,14 +24,20 @@ AI大模型面试宝典, 2023), with its mistakes fixed:
 
 Usage (inside a process group, e.g. under torchrun; see ``ampviz.examples.ddp_amp``)::
 
-    trainer = Trainer(ddp_model, optimizer, scaler, device=device, amp_dtype=torch.float16, accum=2)
-    history = trainer.train(loader, sampler, steps=60, dev=(x_dev, y_dev), eval_every=20, checkpoint="best.pt")
+    scheduler = linear_warmup(optimizer, warmup=6, total=60)
+    trainer = Trainer(ddp_model, optimizer, scaler, device=device, amp_dtype=torch.float16, accum=2,
+                      max_grad_norm=1.0, scheduler=scheduler)
+    trainer.resume("state.pt")                    # optional, on every rank: continue a saved run
+    history = trainer.train(loader, sampler, steps=60, dev=(x_dev, y_dev), eval_every=20, checkpoint="best.pt",
+                            state="state.pt")
     print(trainer.report(x_test, y_test))
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -39,12 +51,16 @@ from .._args import check_int
 from ..record import Recorder
 from ..run import Run
 from .data import Split
+from .evaluation import Evaluation
 
-__all__ = ["Trainer", "load_checkpoint", "TrainResult", "train_classifier", "accuracy"]
+__all__ = ["Trainer", "load_checkpoint", "linear_warmup", "TrainResult", "train_classifier", "accuracy"]
 
 
-class Trainer:
+class Trainer(Evaluation):
     """Train a (DDP-wrapped) classifier with autocast, a GradScaler and gradient accumulation.
+
+    Evaluation (``predict``, ``evaluate``, ``evaluate_sharded``, ``report``) comes from
+    :class:`ampviz.examples.evaluation.Evaluation`.
 
     Parameters
     ----------
@@ -56,14 +72,22 @@ class Trainer:
     recorder : an ``ampviz.Recorder`` (already entered) to call ``step(loss)`` on, or None.
     progress : show a progress bar (on rank 0 only).
     loss_fn : ``loss_fn(model(x), y)``, the mean loss of a micro-batch (default cross-entropy).
+    max_grad_norm : clip the gradients' total norm to this, after ``scaler.unscale_`` (None: no clipping).
+    scheduler : an LR scheduler, stepped after every optimizer step that the scaler did not skip.
+
+    ``step`` counts the optimizer steps taken so far (skipped ones included); a resumed run continues from it.
     """
 
     def __init__(self, model, optimizer, scaler, *, device, amp_dtype=torch.float16, accum: int = 1,
-                 recorder=None, progress: bool = True, loss_fn=F.cross_entropy):
+                 recorder=None, progress: bool = True, loss_fn=F.cross_entropy, max_grad_norm: float | None = None,
+                 scheduler=None):
         check_int("accum", accum, low=1)
         if amp_dtype not in (torch.float16, torch.bfloat16, None):
             raise ValueError(f"amp_dtype: expected torch.float16, torch.bfloat16 or None, got {amp_dtype!r}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.max_grad_norm, self.scheduler, self.step = max_grad_norm, scheduler, 0
         self.device, self.amp_dtype, self.accum = torch.device(device), amp_dtype, accum
         self.recorder, self.progress, self.loss_fn = recorder, progress, loss_fn
         self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -88,37 +112,53 @@ class Trainer:
                     loss = self.loss_fn(self.model(x.to(self.device)), y.to(self.device)) / len(micro_batches)
                 self.scaler.scale(loss).backward()          # outside autocast
             total += loss.detach()
+        if self.max_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)            # the true gradients: a norm in their units (lesson 09)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        scale = self.scaler.get_scale() if self.scheduler is not None else None    # a host sync
         self.scaler.step(self.optimizer)                    # skipped if any (all-reduced) gradient is inf/nan
         self.scaler.update()
+        if self.scheduler is not None and not self.scaler.get_scale() < scale:
+            self.scheduler.step()                           # a skipped step (the scale went down) is not counted
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
         return total
 
-    def batches(self, loader, sampler):
-        """Groups of ``accum`` micro-batches, epoch after epoch, with ``sampler.set_epoch(epoch)``."""
-        epoch = 0
+    def batches(self, loader, sampler, start: int = 0):
+        """Groups of ``accum`` micro-batches, epoch after epoch, with ``sampler.set_epoch(epoch)``.
+
+        ``start`` optimizer steps are skipped first (a resumed run): with a sampler whose order
+        depends only on its epoch (``DistributedSampler``), the groups are those the run would have had."""
+        epoch = offset = 0
+        if start:                                           # an epoch's leftover micro-batches are dropped
+            epoch, done = divmod(start, len(loader) // self.accum)
+            offset = done * self.accum
         while True:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)                    # a new shuffle, the same on every rank
             group = []
-            for batch in loader:
+            for batch in itertools.islice(loader, offset, None):
                 group.append(batch)
                 if len(group) == self.accum:
                     yield group
                     group = []
-            epoch += 1
+            epoch, offset = epoch + 1, 0
 
     def train(self, loader, sampler, steps: int, dev=None, eval_every: int | None = None, checkpoint=None,
-              fail_at=None) -> dict:
-        """Train for ``steps`` optimizer steps; every ``eval_every`` steps rank 0 evaluates ``dev`` and
-        saves ``checkpoint`` when dev accuracy improves. Returns the history (the same on every rank).
+              fail_at=None, state=None) -> dict:
+        """Train until ``steps`` optimizer steps are done (from :attr:`step`, so a resumed run continues);
+        every ``eval_every`` steps rank 0 evaluates ``dev``, saves ``checkpoint`` (the module's weights)
+        when dev accuracy improves and ``state`` (:meth:`state_dict`, to resume from), then every rank
+        waits at one barrier. Returns the history (the same on every rank).
 
         ``fail_at`` is a callable ``(step) -> None`` run before every step (the examples use it to
         make one rank fail on purpose)."""
         history = {"step": [], "loss": [], "dev_step": [], "dev_loss": [], "dev_accuracy": []}
         best = -1.0
         self.model.train()
-        bar = tqdm(total=steps, desc="train", disable=not self.progress or self.rank != 0, leave=False)
-        for step, group in zip(range(steps), self.batches(loader, sampler)):
+        bar = tqdm(total=steps, initial=self.step, desc="train", disable=not self.progress or self.rank != 0,
+                   leave=False)
+        for step, group in zip(range(self.step, steps), self.batches(loader, sampler, start=self.step)):
             if fail_at is not None:
                 fail_at(step)
             loss = self.train_step(group)
@@ -129,19 +169,50 @@ class Trainer:
                 mean_loss = self.mean_over_ranks(loss)      # one all-reduce per evaluation, not per step
                 history["step"].append(step)
                 history["loss"].append(mean_loss)
-                if dev is not None and self.rank == 0:
-                    dev_loss, dev_acc = self.evaluate(*dev)
-                    history["dev_step"].append(step)
-                    history["dev_loss"].append(dev_loss)
-                    history["dev_accuracy"].append(dev_acc)
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", dev_acc=f"{dev_acc:.3f}")
-                    if checkpoint is not None and dev_acc > best:
-                        best = dev_acc
-                        torch.save(self.module.state_dict(), checkpoint)
+                if self.rank == 0:
+                    if dev is not None:
+                        dev_loss, dev_acc = self.evaluate(*dev)
+                        history["dev_step"].append(step)
+                        history["dev_loss"].append(dev_loss)
+                        history["dev_accuracy"].append(dev_acc)
+                        bar.set_postfix(loss=f"{mean_loss:.3f}", dev_acc=f"{dev_acc:.3f}")
+                        if checkpoint is not None and dev_acc > best:
+                            best = dev_acc
+                            _save(self.module.state_dict(), checkpoint)
+                    if state is not None:
+                        _save(self.state_dict(), state)
                 if self.world > 1:
-                    dist.barrier()                          # the others wait for rank 0's evaluation and file
+                    dist.barrier()                          # the others wait for rank 0's evaluation and files
         bar.close()
         return history
+
+    # ------------------------------------------------------------------ checkpoints that resume a run
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the step, the module's weights, the optimizer's, scaler's and
+        scheduler's states. Tensors, numbers and containers only, so it loads with ``weights_only=True``."""
+        state = {"step": self.step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`. Call it on **every** rank: DDP broadcasts weights only in its
+        constructor, and nothing ever synchronises optimizer, scaler or scheduler states. The optimizer
+        adopts the tensors of ``state`` (no copy) and training then changes them: load a fresh ``state``
+        for every restore."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["scaler"]:                                 # empty when the scaler was disabled (bf16, fp32)
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+    def resume(self, path) -> None:
+        """Load a state saved by :meth:`train` (``state=``) on this rank: no pickled code runs, tensors
+        land on this rank's device."""
+        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The mean of a scalar over all ranks (an all-reduce; a host sync)."""
@@ -150,58 +221,26 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return float(value) / self.world
 
-    # ------------------------------------------------------------------ evaluation (call on one rank)
-    @torch.no_grad()
-    def predict(self, x, batch: int = 512) -> torch.Tensor:
-        """Logits of the unwrapped module (no collectives, so rank 0 can call it alone)."""
-        was_training = self.module.training
-        self.module.eval()
-        out = []
-        for i in range(0, len(x), batch):
-            with self.autocast():
-                out.append(self.module(x[i:i + batch].to(self.device)).float())
-        self.module.train(was_training)
-        return torch.cat(out)
 
-    def evaluate(self, x, y) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy on the whole of (x, y)."""
-        logits = self.predict(x)
-        y = y.to(self.device)
-        return float(F.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
 
-    @torch.no_grad()
-    def evaluate_sharded(self, x, y, batch: int = 512) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy on the whole of (x, y), the work shared by every rank.
+def _save(obj, path) -> None:
+    """``torch.save`` to a temporary file, then rename: a reader sees the old file or the whole new one."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
-        Call it on **every** rank (it runs collectives). Rank r evaluates the indices a
-        ``DistributedSampler(shuffle=False)`` gives it; the sampler pads the split with repeated
-        examples so that it divides by the world size. ``all_gather`` collects every rank's
-        per-example loss and correctness (equal lengths, thanks to the padding), and the padding
-        is trimmed before averaging, so each example counts exactly once and every rank returns
-        the numbers :meth:`evaluate` gives on one process.
-        """
-        from torch.utils.data import DistributedSampler
-        n = len(y)
-        mine = list(DistributedSampler(range(n), num_replicas=self.world, rank=self.rank, shuffle=False))
-        idx = torch.tensor(mine, dtype=torch.long)
-        logits = self.predict(x[idx], batch=batch)                          # (len(mine), classes)
-        target = y[idx].to(self.device)
-        per_example = torch.stack([F.cross_entropy(logits, target, reduction="none"),
-                                   (logits.argmax(1) == target).float()], dim=1)   # (len(mine), 2)
-        if self.world > 1:
-            gathered = [torch.empty_like(per_example) for _ in range(self.world)]
-            dist.all_gather(gathered, per_example)
-            # rank r holds positions r, r + world, ...: interleave back to sampler order, then trim
-            per_example = torch.stack(gathered, dim=1).reshape(-1, 2)
-        loss, correct = per_example[:n].mean(dim=0).tolist()                # a host sync
-        return loss, correct
 
-    def report(self, x, y, labels=None) -> str:
-        """scikit-learn's classification report on (x, y)."""
-        from sklearn.metrics import classification_report
-        pred = self.predict(x).argmax(1).cpu().numpy()
-        names = labels if labels is not None else [str(c) for c in np.unique(y.cpu().numpy())]
-        return classification_report(y.cpu().numpy(), pred, target_names=names, digits=3, zero_division=0)
+def linear_warmup(optimizer, warmup: int, total: int):
+    """The BERT schedule: the learning rate rises linearly over ``warmup`` steps, then falls linearly
+    to 0 at step ``total`` (a ``LambdaLR``; its state_dict loads with ``weights_only=True``)."""
+    check_int("warmup", warmup, low=0)
+    check_int("total", total, low=1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def load_checkpoint(module, path, device) -> None:

@@ -36,8 +36,8 @@ Measured with transformers 5.24 and accelerate 1.15 on a CPU (``tests/integratio
 
 With ``TrainingArguments(torch_compile=True)`` accelerate compiles a wrapper around the model that callbacks
 never see; the callback tells the Recorder so (``compiled_by=``): weight gradients are recorded, activation
-capture is off (a warning; an explicit ``activations=`` or ``outputs=`` choice is an error), no graph break is
-added and training is unchanged (compared with ``full_determinism=True``: on a CPU the compiled embedding
+capture is off (a warning; naming modules in ``activations=``, or any ``outputs=``, is an error), no graph
+break is added and training is unchanged (compared with ``full_determinism=True``: on a CPU the compiled embedding
 backward uses atomic adds, so two compiled runs can differ without ampviz).
 
 Callbacks get the model, not the DDP wrapper (``trainer.model_wrapped``), so ``local_weights=True`` is refused.

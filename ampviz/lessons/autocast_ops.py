@@ -17,19 +17,17 @@ runs. It stores plain records (no plotting here)::
     >>> lin.weight.grad.dtype                    # the parameter's gradient comes back fp32
     torch.float32
 
-It also holds the op lists of PyTorch's AMP documentation (``DOCUMENTED_OPS``) and the dtype
-those lists predict for an op (``expected_dtype``), so a lesson can compare them with what ran.
+The table of a trace (``op_table``) and the widget (``AutocastExplorer``: pick a model and an autocast
+dtype, see every op's dtype) are at the end; the op lists themselves (PyTorch's documented ones, the
+installed torch's) are in :mod:`ampviz.lessons.autocast_lists`.
 
-The figure (``op_table_figure``) and the widget (``AutocastExplorer``: pick a model and an autocast
-dtype, see every op's dtype) are at the end.
-
-Used by lessons 03 (autocast), 04 (autocast in practice) and 07 (master weights).
+Used by lessons 03 (autocast), 04 and 04b (autocast in practice, in your own code) and 07b (master weights:
+where they live).
 """
 
 from __future__ import annotations
 
 import contextlib
-import html
 from collections import Counter
 from dataclasses import dataclass
 
@@ -40,10 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..plots.style import OKABE_ITO, base_layout
+from .tables import Table
 
-__all__ = ["OpRecord", "OpLog", "log_ops", "log_training_step", "LOW_PRECISION", "DOCS_URL", "DOCUMENTED_OPS",
-           "documented_list", "expected_dtype", "AutocastExplorer", "default_cases", "op_table_figure",
-           "CATEGORY_COLORS"]
+__all__ = ["OpRecord", "OpLog", "log_ops", "log_training_step", "LOW_PRECISION", "AutocastExplorer",
+           "default_cases", "op_table", "CATEGORY_COLORS"]
 
 
 LOW_PRECISION = ("float16", "bfloat16")
@@ -215,103 +213,22 @@ def log_training_step(model, inputs, targets, autocast_dtype: torch.dtype | None
     return tracer
 
 
-# --- PyTorch's documented autocast op lists --------------------------------------------------
-# Copied from the "Autocast Op Reference" of PyTorch's AMP docs (docs/source/amp.md in
-# pytorch/pytorch, 2.x). "low": ops autocast runs in the low-precision dtype; "fp32": ops it runs
-# in float32; "promote": ops it runs in the widest input dtype. Unlisted ops run in the dtype
-# their inputs already have (ordinary type promotion). CPU float16 uses the bfloat16 lists.
-DOCS_URL = "https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference"
-_CUDA_LOW = """__matmul__ addbmm addmm addmv addr baddbmm bmm multi_dot conv1d conv2d conv3d
-conv_transpose1d conv_transpose2d conv_transpose3d GRUCell linear LSTMCell matmul mm mv prelu RNNCell"""
-_CUDA_FP32 = """__pow__ __rdiv__ __rpow__ __rtruediv__ acos asin binary_cross_entropy_with_logits cosh
-cosine_embedding_loss cdist cosine_similarity cross_entropy cumprod cumsum dist erfinv exp expm1
-group_norm hinge_embedding_loss kl_div l1_loss layer_norm log log_softmax log10 log1p log2
-margin_ranking_loss mse_loss multilabel_margin_loss multi_margin_loss nll_loss norm normalize pdist
-poisson_nll_loss pow prod reciprocal rsqrt sinh smooth_l1_loss soft_margin_loss softmax softmin
-softplus sum renorm tan triplet_margin_loss"""
-_CUDA_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot"
-_CPU_LOW = """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear matmul _convolution
-conv_tbc mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d prelu
-scaled_dot_product_attention _native_multi_head_attention"""
-_CPU_FP32 = """avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d _grid_sampler_2d_cpu_fallback
-grid_sampler_3d polar prod quantile nanquantile stft cdist trace view_as_complex cholesky_inverse
-cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d max_unpool2d max_unpool3d
-adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d
-replication_pad3d mse_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss
-poisson_nll_loss cross_entropy_loss l1_loss huber_loss margin_ranking_loss soft_margin_loss
-triplet_margin_loss multi_margin_loss ctc_loss kl_div multilabel_margin_loss
-binary_cross_entropy_with_logits fft_fft fft_ifft fft_fft2 fft_ifft2 fft_fftn fft_ifftn fft_rfft
-fft_irfft fft_rfft2 fft_irfft2 fft_rfftn fft_irfftn fft_hfft fft_ihfft linalg_cond linalg_matrix_rank
-linalg_solve linalg_cholesky linalg_svdvals linalg_eigvals linalg_eigvalsh linalg_inv
-linalg_householder_product linalg_tensorinv linalg_tensorsolve fake_quantize_per_tensor_affine geqrf
-_lu_with_info qr svd triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d
-multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig linalg_eigh
-linalg_lstsq linalg_inv_ex"""
-_CPU_PROMOTE = "cat stack index_copy"
-DOCUMENTED_OPS: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {"low": tuple(_CUDA_LOW.split()), "fp32": tuple(_CUDA_FP32.split()),
-             "promote": tuple(_CUDA_PROMOTE.split())},
-    "cpu": {"low": tuple(_CPU_LOW.split()), "fp32": tuple(_CPU_FP32.split()),
-            "promote": tuple(_CPU_PROMOTE.split())},
-}
-# The same function under the name each device's list uses (cross_entropy is a Python wrapper
-# of aten's cross_entropy_loss).
-_ALIASES = {"cross_entropy": ("cross_entropy", "cross_entropy_loss")}
-
-
-def documented_list(device_type: str, op: str) -> str | None:
-    """Which documented list of ``device_type`` names ``op``: "low", "fp32", "promote" or None."""
-    if device_type not in DOCUMENTED_OPS:
-        raise ValueError(f"device_type: expected one of {sorted(DOCUMENTED_OPS)}, got {device_type!r}")
-    names = _ALIASES.get(op, (op,))
-    for category, ops in DOCUMENTED_OPS[device_type].items():
-        if any(name in ops for name in names):
-            return category
-    return None
-
-
-def expected_dtype(device_type: str, op: str, input_dtypes, low_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the documented lists predict for ``op`` under autocast to ``low_dtype``.
-
-    "low" ops run in ``low_dtype``, "fp32" ops in float32; listed "promote" ops and unlisted ops
-    run in the promotion of their floating-point ``input_dtypes`` (torch dtypes).
-    """
-    category = documented_list(device_type, op)
-    if category == "low":
-        return low_dtype
-    if category == "fp32":
-        return torch.float32
-    dtypes = [d for d in input_dtypes if d.is_floating_point]
-    if not dtypes:
-        raise ValueError(f"input_dtypes: expected at least one floating dtype, got {input_dtypes!r}")
-    result = dtypes[0]
-    for d in dtypes[1:]:
-        result = torch.promote_types(result, d)
-    return result
-
-
 CATEGORY_COLORS = {"float32": OKABE_ITO["blue"], "bfloat16": OKABE_ITO["orange"],
                    "float16": OKABE_ITO["vermillion"], "cast": OKABE_ITO["bluish_green"],
                    "other": "#8C8C8C"}
 _AUTOCAST = {"off": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def op_table_figure(rows: list[dict], title: str | None = None, subtitle: str | None = None) -> go.Figure:
-    """A plotly table of :meth:`OpLog.table` rows; 16-bit rows tinted orange, casts green."""
+def op_table(rows: list[dict], title: str | None = None, note: str | None = None) -> Table:
+    """A :class:`~ampviz.lessons.tables.Table` of :meth:`OpLog.table` rows: 16-bit rows tinted orange, casts
+    green (the colours of the explorer's bars)."""
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "op" in r for r in rows):
         raise ValueError(f"rows: expected the list of dicts OpLog.table() returns, got {type(rows).__name__}")
-    fill = ["#E3F2EC" if r["cast"] else "#FBE8CF" if r["low_precision"] else "white" for r in rows]
-    columns = [[r["phase"] for r in rows], [r["op"] + (f" ({r['variant']})" if r.get("variant") else "")
-                                            for r in rows],
-               [", ".join(r["inputs"]) or "-" for r in rows], [", ".join(r["outputs"]) or "-" for r in rows],
-               [r["count"] for r in rows]]
-    table = go.Table(header=dict(values=["phase", "aten op", "floating inputs", "floating outputs", "runs"],
-                                 fill_color="#EEEEEE", align="left", font=dict(size=12)),
-                     cells=dict(values=columns, fill_color=[fill] * 5, align="left", height=22, font=dict(size=12)),
-                     columnwidth=[70, 170, 230, 150, 45])
-    layout = base_layout(title, subtitle, height=130 + 23 * len(rows), inline_subtitle=True)
-    layout["margin"] = dict(l=10, r=10, t=80 if title else 10, b=10)
-    return go.Figure(table, layout=layout)
+    cells = [(r["phase"], r["op"] + (f" ({r['variant']})" if r.get("variant") else ""),
+              ", ".join(r["inputs"]) or "-", ", ".join(r["outputs"]) or "-", r["count"]) for r in rows]
+    tints = ["cast" if r["cast"] else "16-bit" if r["low_precision"] else None for r in rows]
+    return Table(["phase", "aten op", "floating inputs", "floating outputs", "runs"], cells, title=title,
+                 note=note, tints=tints, code=(1,))
 
 
 def _mlp_case(device):
@@ -340,7 +257,8 @@ def default_cases() -> dict:
 class AutocastExplorer(widgets.VBox):
     """Dropdowns for model, autocast dtype, device and phase; a bar chart and table of the trace.
 
-    Public state: ``case``, ``autocast``, ``device``, ``phase``, ``hide_views`` (controls),
+    Public state: ``case``, ``autocast``, ``device`` (shown only when there is a GPU), ``phase``,
+    ``hide_views`` (controls),
     ``figure`` (a FigureWidget, one bar trace per category of ``CATEGORY_COLORS``), ``table``
     and ``readout`` (HTML), ``tracer`` (the :class:`OpLog` shown).
     """
@@ -371,7 +289,8 @@ class AutocastExplorer(widgets.VBox):
         self.readout, self.table = widgets.HTML(), widgets.HTML()
         for control in (self.case, self.autocast, self.device, self.phase, self.hide_views):
             control.observe(self._update, names="value")
-        controls = widgets.HBox([self.case, self.autocast, self.device])
+        # a device menu with one entry would be a control that changes nothing: show it only with a GPU
+        controls = widgets.HBox([self.case, self.autocast] + ([self.device] if len(devices) > 1 else []))
         super().__init__([controls, widgets.HBox([self.phase, self.hide_views]), self.readout, self.figure,
                           self.table])
         self._update()
@@ -415,13 +334,5 @@ class AutocastExplorer(widgets.VBox):
             f"<b>{len(self.tracer.select(phase))}</b> aten ops traced; <b>{100 * fraction:.0f}%</b> of the "
             f"arithmetic ops ran in 16 bits; <b>{casts}</b> casts. Parameters: {', '.join(params)}; "
             f"gradients: {', '.join(grads)}.")
-        body = "".join(
-            f"<tr style='background:{'#FDF1E0' if r['low_precision'] else 'white'}'><td>{r['phase']}</td>"
-            f"<td><code>{html.escape(r['op'])}</code></td><td>{', '.join(r['inputs']) or '-'}</td>"
-            f"<td>{', '.join(r['outputs']) or '-'}</td><td style='text-align:right'>{r['count']}</td></tr>"
-            for r in rows)
-        self.table.value = (
-            "<div style='max-height:320px;overflow-y:auto'>"
-            "<table style='border-collapse:collapse;font-size:12px'><tr><th>phase</th><th>aten op</th>"
-            "<th>floating inputs</th><th>floating outputs</th><th>runs</th></tr>"
-            f"{body}</table></div>")
+        table = op_table(rows, note="orange: ran in 16 bits · green: a cast · white: float32")
+        self.table.value = f"<div style='max-height:320px;overflow-y:auto'>{table._repr_html_()}</div>"

@@ -1,5 +1,5 @@
-"""Where autocast acts in a training step: backward and the optimizer inside or outside the block,
-float32 islands, and custom autograd functions with ``torch.amp.custom_fwd`` / ``custom_bwd``.
+"""Where autocast acts in a training step: backward and the optimizer inside or outside the block, and
+float32 islands.
 
 ``placement_step`` runs one real AMP step of a copy of a model (forward and loss always under
 autocast; ``inside="backward"`` puts the backward in the block too, ``inside="step"`` also
@@ -17,9 +17,9 @@ matrix multiplies ran in each dtype, traced with :class:`~ampviz.lessons.autocas
     >>> placement_step(model, x, y, dtype=torch.bfloat16, island=True, inside="backward").backward_mm["float32"]
     0
 
-``custom_matmul`` builds the same matrix product as a custom ``torch.autograd.Function`` with or
-without the ``torch.amp`` decorators, and ``trace_custom_function`` reports the dtypes its forward and
-backward ran in (or the error the backward raised). ``PlacementExplorer`` is the widget.
+``adam_first_step_moves`` measures how far Adam's first step moves each weight when the backward is misplaced,
+``engine_reduces_then_casts`` shows what the autograd engine does with a float32 gradient for a 16-bit input,
+and ``PlacementExplorer`` is the widget. (Custom Functions and threads: :mod:`ampviz.lessons.autocast_code`.)
 
 Used by lessons 04 (autocast in practice).
 """
@@ -27,6 +27,8 @@ Used by lessons 04 (autocast in practice).
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 from dataclasses import dataclass
 
 import ipywidgets as widgets
@@ -37,13 +39,11 @@ import torch.nn.functional as F
 from ..plots.style import OKABE_ITO, base_layout
 from .autocast_ops import OpLog
 
-__all__ = ["OPTIMIZERS", "INSIDE", "CUSTOM_VARIANTS", "PlacementResult", "placement_step", "custom_matmul",
-           "trace_custom_function", "PlacementExplorer"]
+__all__ = ["OPTIMIZERS", "INSIDE", "PlacementResult", "placement_step", "adam_first_step_moves",
+           "engine_reduces_then_casts", "PlacementExplorer"]
 
 OPTIMIZERS = ("sgd", "adam", "muon")
 INSIDE = ("forward", "backward", "step")       # the last part of the step that runs inside autocast
-CUSTOM_VARIANTS = ("plain", "custom_fwd(cast_inputs=float32)", "custom_fwd(cast_inputs=float32) + custom_bwd",
-                   "custom_fwd + custom_bwd")
 
 
 @dataclass
@@ -53,6 +53,7 @@ class PlacementResult:
     weights: list                 # the parameters after the step (detached copies)
     update: float                 # largest |change| of any parameter in the step
     head_grad: torch.Tensor       # the head's weight gradient (unscaled, fp32)
+    grads: list                   # every parameter's gradient (unscaled, fp32), in parameter order
     backward_mm: dict             # {"float32": n, "16-bit": n}: matrix multiplies in the backward
     skipped: bool                 # the scaler skipped the step
 
@@ -100,12 +101,12 @@ def placement_step(model, x, y, *, dtype: torch.dtype = torch.float16, optimizer
         with tracer.phase("optimizer"):
             for opt in opts:
                 scaler.unscale_(opt)
-            head_grad.append(model.head.weight.grad.detach().clone())
+            grads.extend(p.grad.detach().clone() for p in model.parameters())
             for opt in opts:
                 scaler.step(opt)
             scaler.update()
 
-    head_grad, scale = [], scaler.get_scale()
+    grads, scale = [], scaler.get_scale()
     with OpLog() as tracer:
         with torch.amp.autocast(device, dtype=dtype):
             features = model.body(x)
@@ -126,103 +127,118 @@ def placement_step(model, x, y, *, dtype: torch.dtype = torch.float16, optimizer
     update = max(float((a - b).abs().max()) for a, b in zip(after, before))
     mm = {"float32": tracer.count("mm", "backward", "float32"),
           "16-bit": tracer.count("mm", "backward", str(dtype).removeprefix("torch."))}
-    return PlacementResult(after, update, head_grad[0], mm, scaler.is_enabled() and scaler.get_scale() < scale)
+    head = [n for n, _ in model.named_parameters()].index("head.weight")
+    return PlacementResult(after, update, grads[head], grads, mm, scaler.is_enabled() and scaler.get_scale() < scale)
 
 
-def custom_matmul(variant: str, device_type: str = "cpu"):
-    """``a @ b`` as a custom autograd Function, decorated as ``variant`` (one of ``CUSTOM_VARIANTS``).
+def adam_first_step_moves(model, batches, *, dtype: torch.dtype, lr: float) -> dict:
+    """Adam's first step with the head as a float32 island, recommended (backward outside) against the backward
+    inside the block, on each ``(x, y)`` of ``batches``: how far each weight lands from where the recommended step
+    put it, in units of ``lr``.
 
-    The forward saves its inputs as it receives them and the backward multiplies them with the
-    incoming gradient, as a hand-written Function would.
+    Adam's first step moves a weight by ``lr * g / (|g| + eps)``: about ``lr`` whatever the size of ``g``.
+
+    Returns
+    -------
+    dict of 1-D tensors: "flipped" (moves of the weights whose gradient changed sign), "predicted" (for those
+    weights, ``|g|/(|g|+eps) + |g'|/(|g'|+eps)`` from the two gradients), "kept" (moves of the weights whose
+    gradient kept its sign, both gradients above ``1e-6``).
     """
-    if variant not in CUSTOM_VARIANTS:
-        raise ValueError(f"variant: expected one of {CUSTOM_VARIANTS}, got {variant!r}")
+    eps = inspect.signature(torch.optim.Adam).parameters["eps"].default
+    out = {"flipped": [], "predicted": [], "kept": []}
+    for x, y in batches:
+        a, b = (placement_step(model, x, y, dtype=dtype, optimizer="adam", island=True, inside=inside, lr=lr)
+                for inside in ("forward", "backward"))
+        for g, h, w, v in zip(a.grads, b.grads, a.weights, b.weights):
+            moved, flip = (w - v).abs() / lr, g * h < 0
+            out["flipped"].append(moved[flip])
+            out["predicted"].append((g.abs() / (g.abs() + eps) + h.abs() / (h.abs() + eps))[flip])
+            out["kept"].append(moved[~flip & (g.abs() > 1e-6) & (h.abs() > 1e-6)])
+    return {k: torch.cat(v) for k, v in out.items()}
 
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a @ b
 
+class _Float32BatchGradient(torch.autograd.Function):
+    """Broadcasts a bias-shaped input over a batch; its backward hands back a float32, batch-shaped gradient."""
+
+    @staticmethod
+    def forward(ctx, bias):
+        return bias.expand(4, *bias.shape).clone()
+
+    @staticmethod
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad @ b.t(), a.t() @ grad
-
-    if variant != "plain":
-        cast = torch.float32 if "cast_inputs" in variant else None
-        forward = torch.amp.custom_fwd(forward, device_type=device_type, cast_inputs=cast)
-    if variant.endswith("custom_bwd"):
-        backward = torch.amp.custom_bwd(backward, device_type=device_type)
-    return type("MatMul", (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                       "backward": staticmethod(backward)})
+        return grad.float()
 
 
-def trace_custom_function(variant: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                          backward_inside: bool = False, seed: int = 0) -> dict:
-    """Apply :func:`custom_matmul` to a 16-bit activation and an fp32 weight under autocast.
+def engine_reduces_then_casts(dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
+    """What the autograd engine does with a float32, batch-shaped gradient handed back for a 16-bit, bias-shaped
+    input (the state CUDA autocast's float32 ``sum`` would leave a bias gradient in): it sums the gradient to the
+    input's shape, then casts it to the input's dtype.
 
-    Returns the output dtype, the input dtypes of the forward's and the backward's ``mm`` ops, and
-    the error the backward raised (None when it ran).
+    Returns
+    -------
+    The engine's ops on that gradient, in order, as ``(op, input dtypes, output dtypes)``.
     """
-    gen = torch.Generator().manual_seed(seed)
-    x, w0 = torch.randn(8, 16, generator=gen).to(device), torch.randn(16, 16, generator=gen).to(device)
-    w = torch.randn(16, 16, generator=gen).to(device).requires_grad_()
-    fn, error = custom_matmul(variant, torch.device(device).type), None
+    bias = torch.randn(3, dtype=dtype, requires_grad=True)
     with OpLog() as tracer:
-        with torch.amp.autocast(torch.device(device).type, dtype=dtype):
-            h = x @ w0                                          # a 16-bit activation, (8, 16)
-            out = fn.apply(h, w)
-            loss = out.float().sum()
-            if backward_inside:
-                error = _backward(loss, tracer)
-        if not backward_inside:
-            error = _backward(loss, tracer)
-    def mm(phase):
-        return [", ".join(r.input_dtypes) for r in tracer.records if r.op == "mm" and r.phase == phase]
-
-    return {"output": str(out.dtype).removeprefix("torch."),
-            "forward mm": mm("forward")[1:],                    # the first is h = x @ w0, outside the Function
-            "backward mm": mm("backward"), "error": error}
-
-
-def _backward(loss, tracer):
-    try:
+        out = _Float32BatchGradient.apply(bias)
         with tracer.phase("backward"):
-            loss.backward()
-    except RuntimeError as err:
-        return str(err).split("\n")[0]
-    return None
+            out.backward(torch.ones_like(out))
+    after = [r for r in tracer.select("backward") if r.op in ("sum", "_to_copy") and r.input_dtypes == ("float32",)]
+    return [(r.op, r.input_dtypes, r.output_dtypes) for r in after]
+
+
+def _short(value: float) -> str:
+    """A bar label: "0", "0.5", "1.9" or "1.3e-4" (short enough for two bars side by side)."""
+    if value == 0 or value >= 0.01:
+        return f"{value:.2g}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 class PlacementExplorer(widgets.VBox):
-    """Choose an optimizer, an autocast dtype, and what runs inside the autocast block; see how far
-    each parameter lands from the recommended step (forward and loss inside, the rest outside).
+    """Choose an optimizer, an autocast dtype and whether the head is a float32 island; see, per parameter, how
+    far each misplaced step (the backward inside the block; also ``scaler.step`` and ``update`` inside) lands
+    from the recommended one (forward and loss inside, the rest outside).
 
-    Public state: ``optimizer``, ``dtype``, ``inside``, ``island``
-    (controls), ``figure`` (a FigureWidget: one bar per parameter), ``readout`` (HTML), ``result``
-    and ``reference`` (the :class:`PlacementResult` shown and the recommended one), ``changes``
-    (largest |difference| per parameter, relative to the reference step's largest update).
+    The y axis is logarithmic and fixed (``Y_RANGE``, relative to the recommended step's largest update), so a
+    difference of 1e-4 and one of 2 look as different as they are; a parameter that came out bit-for-bit
+    identical is drawn at the floor with the label "0".
+
+    Public state: ``optimizer``, ``dtype``, ``island`` (controls), ``figure`` (a FigureWidget: one bar trace
+    per misplaced step, one bar per parameter), ``readout`` (HTML), ``reference`` and ``results`` (the
+    :class:`PlacementResult` of the recommended step and of each misplaced one), ``changes`` (per misplaced
+    step, the largest |difference| per parameter relative to the reference step's largest update).
     """
 
-    def __init__(self, model, x, y, lr: float = 0.02):
+    MISPLACED = {"backward": "backward inside", "step": "backward, step and update inside"}
+    Y_RANGE = (1e-8, 10.0)
+
+    def __init__(self, model, x, y, lr: float, island: bool = True):
         self._model, self._x, self._y, self._lr, self._cache = model, x, y, lr, {}
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer = widgets.Dropdown(options=[("SGD", "sgd"), ("Adam", "adam"), ("Muon", "muon")],
                                           value="sgd", description="optimizer")
         self.dtype = widgets.Dropdown(options=[("float16", torch.float16), ("bfloat16", torch.bfloat16)],
                                       value=torch.float16, description="autocast")
-        self.inside = widgets.ToggleButtons(options=[("forward + loss", "forward"), ("+ backward", "backward"),
-                                                     ("+ step and update", "step")], value="forward",
-                                            description="in autocast")
-        self.island = widgets.Checkbox(value=False, description="head as a float32 island")
+        self.island = widgets.Checkbox(value=island, description="head as a float32 island")
+        colors = (OKABE_ITO["blue"], OKABE_ITO["orange"])
+        lo, hi = (math.log10(v) for v in self.Y_RANGE)
         self.figure = go.FigureWidget(
-            data=[go.Bar(x=self.names, y=[0.0] * len(self.names), marker_color=OKABE_ITO["blue"])],
-            layout=base_layout("Distance from the recommended step", "largest |difference| per parameter, "
-                               "relative to the recommended step's largest update", height=360,
-                               yaxis=dict(title="relative difference", rangemode="tozero"), inline_subtitle=True))
+            data=[go.Bar(name=label, x=self.names, y=[self.Y_RANGE[0]] * len(self.names), marker_color=color,
+                         text=[""] * len(self.names), textposition="outside", cliponaxis=False,
+                         textfont=dict(size=10))
+                  for label, color in zip(self.MISPLACED.values(), colors)],
+            layout=base_layout("Distance from the recommended step", "largest |difference| per parameter, relative "
+                               "to the recommended step's largest update; 0: bit-for-bit identical", height=400,
+                               barmode="group", showlegend=True, inline_subtitle=True,
+                               yaxis=dict(title="relative difference", type="log", range=[lo, hi],
+                                          dtick=1, exponentformat="power"),
+                               legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0)))
+        self.figure.layout.margin.t = 120
         self.readout = widgets.HTML()
-        for control in (self.optimizer, self.dtype, self.inside, self.island):
+        for control in (self.optimizer, self.dtype, self.island):
             control.observe(self._update, names="value")
-        super().__init__([widgets.HBox([self.optimizer, self.dtype, self.island]), self.inside,
-                          self.readout, self.figure])
+        super().__init__([widgets.HBox([self.optimizer, self.dtype, self.island]), self.readout, self.figure])
         self._update()
 
     def step_for(self, optimizer, dtype, inside, island) -> PlacementResult:
@@ -236,13 +252,17 @@ class PlacementExplorer(widgets.VBox):
     def _update(self, change=None):
         setting = (self.optimizer.value, self.dtype.value)
         self.reference = self.step_for(*setting, "forward", self.island.value)
-        self.result = self.step_for(*setting, self.inside.value, self.island.value)
+        self.results = {inside: self.step_for(*setting, inside, self.island.value) for inside in self.MISPLACED}
         scale = self.reference.update or 1.0
-        self.changes = [float((a - b).abs().max()) / scale for a, b in zip(self.result.weights, self.reference.weights)]
-        identical = all(torch.equal(a, b) for a, b in zip(self.result.weights, self.reference.weights))
+        self.changes = {inside: [float((a - b).abs().max()) / scale for a, b in zip(r.weights, self.reference.weights)]
+                        for inside, r in self.results.items()}
         with self.figure.batch_update():
-            self.figure.data[0].y = self.changes
-        mm = self.result.backward_mm
-        self.readout.value = (f"<b>{'identical to' if identical else 'differs from'} the recommended step</b> · "
-                              f"backward matrix multiplies: {mm['float32']} in float32, {mm['16-bit']} in 16 bits"
-                              + (" · the scaler skipped this step" if self.result.skipped else ""))
+            for bar, changes in zip(self.figure.data, self.changes.values()):
+                bar.y = [max(c, self.Y_RANGE[0]) for c in changes]
+                bar.text = [_short(c) for c in changes]
+        mm = [self.reference.backward_mm["float32"]] + [r.backward_mm["float32"] for r in self.results.values()]
+        skipped = [name for name, r in [("recommended", self.reference), *self.results.items()] if r.skipped]
+        self.readout.value = (
+            f"recommended step: largest update <b>{self.reference.update:.2e}</b> (lr {self._lr:g}) · "
+            f"backward matrix multiplies in float32: recommended {mm[0]}, backward inside {mm[1]}, "
+            f"all inside {mm[2]}" + (f" · the scaler skipped: {', '.join(skipped)}" if skipped else ""))

@@ -143,7 +143,9 @@ def set_clipping(fig, grads, max_norm: float, log2_scale: int, curves: dict | No
             s.x0 = s.x1 = max_norm
     low = min(min(v) for v in curves.values())
     norm = fig.data[TRACES["true norm"]].y[0]
-    fig.layout.yaxis.range = [math.log10(low) - 0.5, math.log10(max(norm, max_norm)) + 0.5]
+    lo, hi = math.log10(low), math.log10(max(norm, max_norm))
+    pad = max(0.5, 0.1 * (hi - lo))                      # a tenth of the view: no line hugs an edge
+    fig.layout.yaxis.range = [lo - pad, hi + pad]
     ratio = now["clip first"] / now["unscale first"]
     subtitle = (f"loss scale 2<sup>{log2_scale}</sup> · max_norm {max_norm:.3g}: the wrong "
                 f"order keeps {percent(ratio)} of the step the right order takes")

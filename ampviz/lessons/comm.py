@@ -28,7 +28,8 @@ When no process group exists, a one-process group (gloo on CPU, nccl on CUDA) is
 temporary file store and destroyed afterwards; inside an existing group (e.g. under torchrun)
 that group is used and left alone.
 
-Used by lessons 02b (what DDP sends, and what 16 bits cost) and appendix_compression_hooks.
+Used by lessons 02b (what DDP sends, and what 16 bits cost), 11 (DDP + AMP training) and
+appendix_compression_hooks.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class DDPBytes:
     bucket_sizes: list = field(default_factory=list)   # bytes of each bucket, in the order DDP reduced them
     bucket_cap_bytes: int = 0                           # the DDP instance's ``bucket_bytes_cap``
     grads: list = field(default_factory=list)          # each parameter's gradient after the all-reduce
+    first_pass_buckets: int = 0                         # buckets of the first backward (before DDP rebuilds them)
 
 
 def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,
@@ -131,8 +133,9 @@ def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: t
                         bucket_cap_mb: int | None = None) -> DDPBytes:
     """Run DDP forward/backward passes on a copy of ``model`` and count the all-reduced bytes.
 
-    Two passes run and the second is reported: DDP puts every gradient in one bucket on the first
-    backward and rebuilds the buckets (``bucket_cap_mb``) in gradient order for the next ones.
+    Two passes run and the second is reported: DDP (with its default ``find_unused_parameters=False``) puts
+    every gradient in one bucket on the first backward and rebuilds the buckets (``bucket_cap_mb``) in the
+    order the gradients became ready before the next forward; ``first_pass_buckets`` counts the first pass's.
 
     Parameters
     ----------
@@ -157,7 +160,9 @@ def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: t
         ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None,
                                       bucket_cap_mb=bucket_cap_mb)
         ddp.register_comm_hook(None, counting_hook(hook or allreduce_hook, log))
+        first_pass_buckets = 0
         for _ in range(2):   # DDP uses one bucket on the first backward, then rebuilds them by size
+            first_pass_buckets = first_pass_buckets or len(log.bucket_bytes)
             for entries in (log.bucket_dtypes, log.bucket_bytes, log.sent_dtypes, log.sent_bytes):
                 entries.clear()
             local.zero_grad(set_to_none=True)
@@ -170,7 +175,7 @@ def ddp_allreduce_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: t
         del ddp   # release DDP's reducer before the group goes away
     return DDPBytes(sorted({_dtype_name(g.dtype) for g in grads}), sorted(set(log.bucket_dtypes)),
                     sorted(set(log.sent_dtypes)), sum(log.bucket_bytes), sum(log.sent_bytes), len(log.bucket_bytes),
-                    list(log.bucket_bytes), cap, grads)
+                    list(log.bucket_bytes), cap, grads, first_pass_buckets)
 
 
 def ddp_scaled_steps(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, *,

@@ -19,7 +19,7 @@ measured dtypes written on it::
 With ``autocast_dtype=None`` the same function measures a plain step (e.g. of a ``.half()`` model:
 every arrow 16-bit, no master copy anywhere).
 
-Used by lessons 07 (master weights).
+Used by lessons 07b (master weights: where they live).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ flushes to zero, goes subnormal and overflows (saturates, for e4m3fn)::
     format_comparison_figure(run.counts[0, :, kinds == "activation"],
                              ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
 
-Used by lessons 08 (bf16 and fp8).
+Used by lessons 08 (bf16).
 """
 
 from __future__ import annotations

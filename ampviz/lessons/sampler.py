@@ -1,7 +1,7 @@
 """SamplerExplorer: which data-set indices PyTorch's ``DistributedSampler`` hands each rank, per epoch.
 
     from ampviz.lessons.sampler import SamplerExplorer
-    w = SamplerExplorer(n=16, world_size=2)
+    w = SamplerExplorer(n=15, world_size=2)     # 15 on 2 ranks: one example padded
     w.set_epoch_box.value = False          # forget sampler.set_epoch(epoch): every epoch repeats
     w.table                                # (epochs, ranks, per_rank) indices now shown
 
@@ -20,7 +20,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from .._args import check_int
-from ..plots.style import FONT
+from ..plots.style import base_layout
 from ..widgets.parts import figure_widget, table_html
 
 __all__ = ["sampler_table", "SamplerExplorer"]
@@ -62,7 +62,7 @@ class SamplerExplorer(W.VBox):
     figure (FigureWidget heatmap), readout (HTML), table (np.ndarray (epochs, ranks, per_rank)).
     """
 
-    def __init__(self, n: int = 16, world_size: int = 2, epochs: int = 3, seed: int = 0, *,
+    def __init__(self, n: int = 15, world_size: int = 2, epochs: int = 3, seed: int = 0, *,
                  set_epoch: bool = True, shuffle: bool = True, drop_last: bool = False):
         check_int("epochs", epochs, 1, 6)
         check_int("n", n, 2, 40)
@@ -103,10 +103,9 @@ class SamplerExplorer(W.VBox):
                                    textfont=dict(color="#222222"),
                                    zmin=0, zmax=self.n_slider.value - 1, showscale=False, xgap=2, ygap=2,
                                    hovertemplate="%{y}, position %{x}: index %{z}<extra></extra>"))
-        fig.update_layout(font=FONT, template="plotly_white", height=self._height(),
-                          margin=dict(l=10, r=10, t=50, b=40), title=self._title(),
-                          xaxis=dict(title="position in the rank's order", dtick=1),
-                          yaxis=dict(type="category"))
+        fig.update_layout(base_layout(self._title(), height=self._height(), margin=dict(l=10, r=10, t=50, b=40)),
+                          xaxis=dict(title="position in the rank's order", dtick=1, showline=False, ticks=""),
+                          yaxis=dict(type="category", showline=False, ticks=""))
         return fig
 
     def _height(self) -> int:

@@ -18,14 +18,15 @@ row-major matrices. ``matmul_throughput(..., transpose_b=True)`` times that layo
 On GPUs, 16-bit matrix multiplies run on Tensor Cores (fp16 since Volta, bf16 since Ampere). On
 CPUs, bf16 can be fast only with AVX512-BF16 or AMX-BF16 instructions and fp16 only with AMX-FP16 or
 AVX512-FP16, and only where the kernel for the operation, size and layout uses them: the
-instructions are necessary, not sufficient. :func:`cpu_features` reports which of these flags this
-CPU has; the timings say whether they were used.
+instructions are necessary, not sufficient. :func:`cpu_features` reports which of these flags an x86
+CPU has (and nothing on other CPUs); the timings say whether they were used.
 
 Used by lessons 02 (why mixed precision) and appendix_matmul_layouts.
 """
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from torch.utils import benchmark
 __all__ = ["Throughput", "matmul_throughput", "linear_throughput", "cast_seconds", "cpu_features", "DEFAULT_N"]
 
 DEFAULT_N = {"cpu": 256, "cuda": 4096}          # big enough to measure, small enough for a lesson
+_X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 _CPU_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 _DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
@@ -143,10 +145,17 @@ def cast_seconds(device, dtype: torch.dtype, shape=None, min_run_time: float = 0
 
 
 def cpu_features() -> dict[str, bool]:
-    """Which 16-bit-relevant instruction sets this CPU reports (Linux ``/proc/cpuinfo``; else {})."""
+    """Which 16-bit-relevant x86 instruction sets this CPU reports, from Linux ``/proc/cpuinfo``.
+
+    Empty (``{}``) where that is unknown: a CPU that is not x86 (ARM has 16-bit instructions of its own,
+    which these flags do not describe) or a system without ``/proc/cpuinfo`` (macOS, Windows). An empty
+    result means "not known", never "none of them".
+    """
+    if platform.machine().lower() not in _X86_MACHINES:
+        return {}
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
     except OSError:
         return {}
-    return {flag: flag in flags for flag in _CPU_FLAGS}
+    return {} if flags is None else {flag: flag in flags for flag in _CPU_FLAGS}

@@ -11,10 +11,12 @@ gradients by magnitude) and the questions a learner asks of them::
     U.smallest_log2_scale(counts, "fp16", keep=0.99)                 # keeps >= 99% of non-zero values
     U.largest_log2_scale(counts, "fp16")                             # largest scale without overflow
     U.flushed_mass(grads.activations.values(), range(0, 40))         # share of sum|g| flushed, exact
+    U.median_log2(counts), U.zero_share(counts)                      # median binade, share of exact zeros
 
+Bins are binades closed at the top, (2**k, 2**(k+1)], as everywhere in ampviz (``ampviz.histogram``).
 "Flushed" means a non-zero value that becomes exactly 0 after ``(x * 2**s).to(format)``.
 
-Used by lessons 05 (gradient underflow), 06 (GradScaler) and 08 (bf16 and fp8).
+Used by lessons 05 (gradient underflow), 06 and 06b (GradScaler) and 08 (bf16 and fp8).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .. import histogram as H
 from ..formats import get_format
 
 __all__ = ["Gradients", "capture_gradients", "counts_of", "smallest_log2_scale", "largest_log2_scale",
-           "flushed_mass", "zero_fraction", "static_scaler"]
+           "flushed_mass", "zero_share", "median_log2", "zero_fraction", "static_scaler"]
 
 
 @dataclass
@@ -150,18 +152,43 @@ def flushed_mass(tensors, log2_scales, format="fp16") -> np.ndarray:
     return np.asarray(out)
 
 
+def zero_share(counts) -> np.ndarray:
+    """Share of exact zeros among all counted values (nan included), per row of ``counts`` (..., NBINS).
+
+    0 for a row with no values. Unlike ``Fate.fraction``, the denominator is every value, zeros included.
+    """
+    c = H.as_counts(counts)
+    total = c.sum(axis=-1)
+    return np.divide(c[..., H.ZERO], total, out=np.zeros(total.shape), where=total > 0)
+
+
+def median_log2(counts) -> np.ndarray:
+    """Binade of the median non-zero magnitude, per row of ``counts`` (..., NBINS).
+
+    Returns k (float) such that the median of the non-zero, non-nan |x| (the ceil(n/2)-th smallest,
+    i.e. ``numpy.median`` for odd n, the lower middle value for even n) lies in (2**k, 2**(k+1)];
+    -127 when it lies at or below 2**-126 (the "below" bin), 127 when above 2**127 or inf, and nan
+    for a row without non-zero values.
+    """
+    c = H.as_counts(counts)
+    rows = c.reshape(-1, H.NBINS)[:, H.BELOW:H.ABOVE + 1]          # below, the binades, above
+    exps = np.concatenate([[H.K_MIN - 1], H.binade_exponents(), [H.K_MAX + 1]]).astype(float)
+    total = rows.sum(axis=1)
+    # the lower middle value: the ceil(n/2)-th smallest, 1-based
+    at = np.argmax(rows.cumsum(axis=1) >= np.ceil(total / 2)[:, None], axis=1)
+    return np.where(total > 0, exps[at], np.nan).reshape(c.shape[:-1])
+
+
 def zero_fraction(run, kind: str = "activation", rank: int = 0) -> np.ndarray:
     """(H,) share of exact zeros among the recorded values of ``kind`` at each histogram step.
 
-    In an fp16 run, values the backward flushed are recorded as exact zeros; compare with an fp32
-    run of the same model to tell flushed values from values that were zero anyway.
+    ``rank`` is the rank's position in ``run.ranks``. In an fp16 run, values the backward flushed are
+    recorded as exact zeros; compare with an fp32 run of the same model to tell flushed values from
+    values that were zero anyway.
     """
-    idx = [i for i, k in enumerate(run.tensor_kinds) if k == kind]
-    if not idx:
+    if kind not in run.tensor_kinds:
         raise ValueError(f"kind: the run has no {kind!r} tensors; kinds: {sorted(set(run.tensor_kinds))}")
-    c = run.counts[rank][:, idx].sum(axis=1)                         # (H, NBINS)
-    total = c.sum(axis=-1)
-    return np.divide(c[:, H.ZERO], total, out=np.zeros(len(total)), where=total > 0)
+    return zero_share(run.pooled_counts("recorded", rank_index=rank, kind=kind))
 
 
 def _pooled(counts) -> np.ndarray:

@@ -99,14 +99,22 @@ def region_edges(format, log2_scale=0) -> dict:
     return {"flushed": (-math.inf, a), "subnormal": (a, b), "normal": (b, c), "overflow": (c, math.inf)}
 
 
-def histogram_x_range(counts, format, log2_scales=(0,), pad: float = 2.0) -> tuple:
-    """An x range (log2 units) holding every non-empty bin and every region edge at all ``log2_scales``."""
+def histogram_x_range(counts, format, log2_scales=(0,), pad: float = 2.0, reach: float | None = None) -> tuple:
+    """An x range (log2 units) holding every non-empty bin and every region edge at all ``log2_scales``.
+
+    ``reach`` (binades): leave out an edge farther than that from the non-empty bins, so that values
+    far inside a wide format (bf16's limits sit at 2^-133 and 2^128) are not squeezed into a sliver.
+    Without non-empty bins every edge is kept.
+    """
     c = summed_counts(counts)
     x = binade_positions()[c[_COLS] > 0]
     points = [x.min() - 0.5, x.max() + 0.5] if x.size else []
     for s in log2_scales:
         e = region_edges(format, s)
-        points += [e["subnormal"][0], e["overflow"][0]]
+        edges = [e["subnormal"][0], e["overflow"][0]]
+        if reach is not None and points:
+            edges = [v for v in edges if points[0] - reach <= v <= points[1] + reach]
+        points += edges
     lo, hi = min(points) - pad, max(points) + pad
     return max(lo, _X_LIMITS[0]), min(hi, _X_LIMITS[1])
 

@@ -146,7 +146,8 @@ def _points(x, y, mask) -> tuple:
 
 def _marker_names(which: str, skipped, grown) -> tuple:
     """Legend names carry the counts, so the figure alone says how many steps were skipped."""
-    return f"{which}: {int(np.sum(skipped))} skipped", f"{which}: {int(np.sum(grown))} growths"
+    n_grown = int(np.sum(grown))
+    return f"{which}: {int(np.sum(skipped))} skipped", f"{which}: {n_grown} growth{'' if n_grown == 1 else 's'}"
 
 
 def set_recorded(fig, steps, loss_scale, skipped, grown) -> None:

@@ -142,6 +142,10 @@ class ScalerPlayground(W.VBox):
         if r.crashed_at is not None:
             rows.append(("DeepSpeed stops", f"step {int(self._steps[r.crashed_at])}: "
                                             "overflow with the loss scale already at min_scale"))
+        greyed = [c.description for c in self._controls.values() if c.disabled]
+        if greyed:
+            label = dict((v, k) for k, v in _POLICY_OPTIONS)[self.policy_dropdown.value]
+            rows.append(("greyed out", f"{', '.join(greyed)}: not used by the {label} policy"))
         rows.append(("note", "a replay is a counterfactual: skips change later gradients in a real run"))
         return table_html(rows)
 

@@ -7,14 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ampviz.examples.models import MLP
-from ampviz.lessons.autocast_ops import (
-    DOCUMENTED_OPS,
-    OpLog,
-    documented_list,
-    expected_dtype,
-    log_ops,
-    log_training_step,
-)
+from ampviz.lessons.autocast_ops import OpLog, log_ops, log_training_step, op_table
 
 
 @pytest.fixture
@@ -115,33 +108,17 @@ def test_table_aggregates_every_record():
     assert "detach" not in counts
 
 
-@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
-def test_documented_cpu_lists_predict_the_installed_torch(low):
-    """Oracle: the dtype each op's output really has under CPU autocast."""
-    x, w, target = torch.randn(4, 6), torch.randn(6, 6), torch.randint(0, 6, (4,))
-    probes = {"linear": lambda h: F.linear(h, w), "matmul": lambda h: h @ w,
-              "softmax": lambda h: h.softmax(-1),
-              "log_softmax": lambda h: h.log_softmax(-1), "layer_norm": lambda h: F.layer_norm(h, (6,)),
-              "exp": torch.exp, "sum": torch.sum, "gelu": F.gelu, "mse_loss": lambda h: F.mse_loss(h, x),
-              "cross_entropy": lambda h: F.cross_entropy(h, target), "prod": torch.prod,
-              "cat": lambda h: torch.cat([h, x])}
-    with torch.autocast("cpu", dtype=low):
-        h = F.linear(x, w)
-        for op, probe in probes.items():
-            inputs = [h.dtype, x.dtype] if op in ("cat",) else [h.dtype]
-            assert probe(h).dtype == expected_dtype("cpu", op, inputs, low), op
-
-
-def test_documented_lists():
-    assert documented_list("cuda", "softmax") == "fp32" and documented_list("cpu", "softmax") is None
-    assert documented_list("cuda", "linear") == documented_list("cpu", "linear") == "low"
-    assert documented_list("cpu", "cross_entropy") == documented_list("cuda", "cross_entropy") == "fp32"
-    assert documented_list("cpu", "cat") == "promote"
-    assert all(len(set(ops)) == len(ops) for lists in DOCUMENTED_OPS.values() for ops in lists.values())
-    with pytest.raises(ValueError, match="device_type: expected one of"):
-        documented_list("tpu", "mm")
-    with pytest.raises(ValueError, match="input_dtypes"):
-        expected_dtype("cpu", "relu", [torch.int64], torch.bfloat16)
+def test_op_table_keeps_every_name_whole_and_tints_casts_and_16_bit_rows():
+    model = MLP(12, 16, depth=2, d_out=5)
+    tracer = log_training_step(model, torch.randn(8, 12), torch.randint(0, 5, (8,)), torch.bfloat16)
+    rows = tracer.table()
+    table = op_table(rows, title="step")
+    assert table.column("aten op") == [r["op"] for r in rows]           # whole names, nothing cut
+    assert table.tints == ["cast" if r["cast"] else "16-bit" if r["low_precision"] else None for r in rows]
+    html = table._repr_html_()
+    assert "padding:3px 12px 3px 0" in html and "<code>_log_softmax</code>" in html
+    with pytest.raises(ValueError, match="rows: expected the list of dicts"):
+        op_table("addmm")
 
 
 def test_bad_arguments_are_named():
@@ -181,6 +158,8 @@ def test_op_trace_explorer_updates_from_its_controls():
     assert w.tracer.count("mm", "backward", "float16") > 0
     assert bars["float16"].x[list(bars["float16"].y).index("mm")] == w.tracer.count("mm", "backward")
     assert "<code>mm</code>" in w.table.value and "forward" not in w.table.value
+    # padded cells (the browser pass read "backwardones_like" from an unpadded table); casts tinted green
+    assert "padding:3px 12px 3px 0" in w.table.value and "background:#DDF1E8" in w.table.value
     w.case.value = "Transformer on digit rows"
     assert "native_layer_norm_backward" in list(w.figure.data[0].y)
     n_before = len(w.figure.data[0].y)
@@ -188,3 +167,10 @@ def test_op_trace_explorer_updates_from_its_controls():
     assert len(w.figure.data[0].y) > n_before
     with pytest.raises(ValueError, match="device: expected one of"):
         AutocastExplorer(device="meta")
+
+
+def test_op_trace_explorer_shows_no_device_menu_with_a_single_device():
+    from ampviz.lessons.autocast_ops import AutocastExplorer
+    w = AutocastExplorer(device="cpu")
+    shown = [c for box in w.children if hasattr(box, "children") for c in box.children]
+    assert (w.device in shown) == torch.cuda.is_available()      # a one-entry menu would change nothing

@@ -5,12 +5,13 @@ import torch
 
 from ampviz.examples.data import digits
 from ampviz.examples.models import MLP
-from ampviz.lessons.autocast_placement import (
+from ampviz.lessons.autocast_code import (
     CUSTOM_VARIANTS,
-    PlacementExplorer,
-    placement_step,
+    autocast_in_threads,
+    parallel_apply_autocast_call,
     trace_custom_function,
 )
+from ampviz.lessons.autocast_placement import PlacementExplorer, placement_step
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +72,93 @@ def test_bad_arguments_are_named(batch):
         trace_custom_function("custom_bwd")
 
 
+def test_placement_step_returns_every_unscaled_gradient(batch):
+    model, x, y = batch
+    result = placement_step(model, x, y, island=True)
+    assert [g.shape for g in result.grads] == [p.shape for p in model.parameters()]
+    assert all(g.dtype == torch.float32 for g in result.grads) and torch.equal(result.grads[-2], result.head_grad)
+    ref = model.__class__(64, 32, depth=2, d_out=10)
+    ref.load_state_dict(model.state_dict())
+    import torch.nn.functional as F
+    F.cross_entropy(ref(x), y).backward()            # fp32 gradients: the unscaled fp16 ones are near them
+    for g, p in zip(result.grads, ref.parameters()):     # (a scaled gradient would be 2^16 times too large)
+        assert (g - p.grad).abs().max() < 0.15 * p.grad.abs().max()
+
+
+def visible(explorer):
+    return [(tuple(bar.y), tuple(bar.text)) for bar in explorer.figure.data], explorer.readout.value
+
+
+def test_explorer_starts_on_a_difference_and_every_control_changes_the_figure(batch):
+    """The browser pass found the old explorer empty at first and 8 of 9 single changes doing nothing."""
+    explorer = PlacementExplorer(*batch, lr=0.02)
+    assert max(explorer.changes["backward"]) > 0                   # the island's backward: not empty at first
+    first = visible(explorer)
+    for control, value in ((explorer.optimizer, "adam"), (explorer.optimizer, "muon"),
+                           (explorer.dtype, torch.bfloat16), (explorer.island, False)):
+        start = control.value
+        control.value = value
+        assert visible(explorer)[0] != first[0], (control.description, value)    # the bars themselves moved
+        control.value = start
+        assert visible(explorer) == first
+    assert [list(bar.y) for bar in explorer.figure.data] == [
+        [max(c, explorer.Y_RANGE[0]) for c in explorer.changes[k]] for k in explorer.MISPLACED]
+
+
+def test_explorer_axis_is_fixed_so_sizes_stay_comparable(batch):
+    explorer = PlacementExplorer(*batch, lr=0.02)
+    axis = explorer.figure.layout.yaxis
+    assert axis.type == "log" and tuple(axis.range) == (-8.0, 1.0)
+    explorer.optimizer.value = "adam"                               # differences near 2 lr: same axis
+    assert tuple(explorer.figure.layout.yaxis.range) == (-8.0, 1.0)
+    assert max(explorer.changes["backward"]) > 0.1
+    explorer.island.value = False                                   # nothing differs on the CPU: all at "0"
+    if x_is_cpu(batch):
+        assert set(explorer.figure.data[0].text) == {"0"} and set(explorer.figure.data[1].text) == {"0"}
+    explorer.optimizer.value = "muon"                               # Muon's products: only the step moves them
+    assert set(explorer.figure.data[0].text) == {"0"} and max(explorer.changes["step"]) > 0
+
+
+def x_is_cpu(batch):
+    return batch[1].device.type == "cpu"
+
+
+def test_dataparallel_replicas_get_the_enabled_flag_but_not_the_dtype():
+    call = parallel_apply_autocast_call()
+    assert "enabled=" in call and "dtype" not in call, call
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    default = torch.get_autocast_dtype("cpu")
+    other = torch.float16 if default == torch.bfloat16 else torch.bfloat16
+    seen = autocast_in_threads(layer, x, other)
+    assert seen == {"caller": other, "new thread": torch.float32, "new thread + the caller's enabled flag": default}
+    assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == default
+
+
 def test_explorer_state_follows_its_controls(batch):
-    explorer = PlacementExplorer(*batch)
-    assert explorer.changes == [0.0] * len(explorer.names) and "identical" in explorer.readout.value
+    explorer = PlacementExplorer(*batch, lr=0.02, island=False)
+    assert explorer.changes == {k: [0.0] * len(explorer.names) for k in explorer.MISPLACED}
     explorer.optimizer.value = "muon"
-    explorer.inside.value = "step"
-    assert max(explorer.changes) > 0 and "differs" in explorer.readout.value
-    assert list(explorer.figure.data[0].y) == explorer.changes
+    assert max(explorer.changes["step"]) > 0 and explorer.changes["backward"] == [0.0] * len(explorer.names)
     explorer.island.value = True
-    explorer.inside.value = "backward"
-    assert explorer.result.backward_mm["float32"] == 0 and explorer.reference.backward_mm["float32"] == 2
+    assert explorer.results["backward"].backward_mm["float32"] == 0 and explorer.reference.backward_mm["float32"] == 2
+    assert "recommended 2, backward inside 0, all inside 0" in explorer.readout.value
+
+
+def test_adam_moves_a_weight_whose_gradient_flips_by_its_first_step_formula(batch):
+    """The old lesson asserted only moved > 0.5 lr for "almost twice lr"; the formula pins every flipped weight."""
+    from ampviz.examples.data import digits
+    from ampviz.lessons.autocast_placement import adam_first_step_moves
+    model, _, _ = batch
+    d = digits(seed=0)
+    batches = [(d.x_train[32 * k:32 * (k + 1)], d.y_train[32 * k:32 * (k + 1)]) for k in range(5)]
+    moves = adam_first_step_moves(model, batches, dtype=torch.bfloat16, lr=0.02)
+    assert moves["flipped"].numel() > 0 and torch.allclose(moves["flipped"], moves["predicted"], rtol=1e-3)
+    assert moves["flipped"].max() <= 2.0 and moves["kept"].numel() > 1000 and moves["kept"].max() < 0.01
+
+
+def test_the_engine_sums_a_gradient_to_its_input_shape_then_casts_it_to_its_dtype():
+    from ampviz.lessons.autocast_placement import engine_reduces_then_casts
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        assert engine_reduces_then_casts(dtype) == [("sum", ("float32",), ("float32",)),
+                                                    ("_to_copy", ("float32",), (name,))]

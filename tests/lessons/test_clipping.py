@@ -89,3 +89,21 @@ def test_figure_and_widget_follow_the_controls():
     assert math.isclose(w.figure.layout.shapes[0].x0, 10.0, rel_tol=1e-9)
     with pytest.raises(ValueError, match="log2_scale"):
         ClipOrderExplorer(gs, log2_scale=40)
+
+
+def test_no_line_hugs_the_edges_of_the_plot():
+    gs = grads()
+    for max_norm, log2_scale in ((0.1, 16), (1e-6, 24), (100.0, 0)):
+        fig = clipping_figure(gs, max_norm, log2_scale)
+        lo, hi = fig.layout.yaxis.range
+        ys = [math.log10(y) for t in fig.data for y in t.y if y and y > 0]
+        margin = 0.08 * (hi - lo)                                 # the browser pass saw the true norm on the top edge
+        assert lo + margin <= min(ys) and max(ys) <= hi - margin
+
+
+@pytest.mark.parametrize("control, value", [("norm_slider", 1.0), ("scale_slider", 4)])
+def test_every_control_changes_the_figure_from_the_first_state(control, value):
+    w = ClipOrderExplorer(grads(), max_norm=0.1, log2_scale=16)
+    before = [tuple(t.y) for t in w.figure.data] + [w.figure.layout.shapes[0].x0, w.readout.value]
+    getattr(w, control).value = value
+    assert [tuple(t.y) for t in w.figure.data] + [w.figure.layout.shapes[0].x0, w.readout.value] != before

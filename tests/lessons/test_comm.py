@@ -127,13 +127,21 @@ def test_buckets_default_to_a_small_first_one_unless_a_cap_is_given(setup):
     """torch 2.13: without bucket_cap_mb the first bucket closes at 1 MiB, the others at 25 MiB; an explicit
     bucket_cap_mb applies to the first bucket too."""
     _, x, y, _ = setup
-    model = MLP(16, 512, 3, 10)                   # 2.2 MB of fp32 gradients
+    model = MLP(16, 512, 3, 10)                   # about 2.06 MiB of fp32 gradients
     n = sum(p.numel() for p in model.parameters())
     default = ddp_allreduce_bytes(model, x, y, F.cross_entropy)
     explicit = ddp_allreduce_bytes(model, x, y, F.cross_entropy, bucket_cap_mb=25)
     assert default.bucket_cap_bytes == explicit.bucket_cap_bytes == 25 * 2 ** 20
     assert default.n_buckets == 2 and default.bucket_sizes[0] >= dist._DEFAULT_FIRST_BUCKET_BYTES
     assert explicit.n_buckets == 1 and sum(default.bucket_sizes) == explicit.bucket_sizes[0] == 4 * n
+
+
+def test_the_first_backward_uses_one_bucket_until_ddp_rebuilds_them(setup):
+    """torch 2.13, find_unused_parameters=False: the first backward all-reduces every gradient in one bucket
+    (initial limit sys.maxsize); DDP rebuilds the buckets by size before the second forward (lesson 02b)."""
+    _, x, y, _ = setup
+    r = ddp_allreduce_bytes(MLP(16, 512, 3, 10), x, y, F.cross_entropy)
+    assert r.first_pass_buckets == 1 and r.n_buckets == 2
 
 
 def test_the_gradients_after_a_compression_hook_are_the_rounded_averages(setup):

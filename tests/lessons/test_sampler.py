@@ -66,3 +66,15 @@ def test_sampler_table_set_epoch_and_partition():
     assert sampler_table(5, 2, 1, shuffle=False, drop_last=True).tolist() == [[[0, 2], [1, 3]]]
     with pytest.raises(ValueError, match="world_size: expected an integer >= 1, got 0"):
         sampler_table(4, 0)
+
+
+def test_every_control_changes_the_figure_from_the_first_state():
+    import plotly.io as pio
+    for name, value in (("n_slider", 9), ("world_slider", 3), ("set_epoch_box", False), ("shuffle_box", False),
+                        ("drop_last_box", True)):
+        w = SamplerExplorer()
+        assert w.figure.layout.template == pio.templates["simple_white"]      # the project's theme
+        before = (np.asarray(w.figure.data[0].z).tolist(), w.figure.layout.title.text, w.readout.value)
+        getattr(w, name).value = value
+        after = (np.asarray(w.figure.data[0].z).tolist(), w.figure.layout.title.text, w.readout.value)
+        assert after[0] != before[0], f"{name}: the heatmap did not change"

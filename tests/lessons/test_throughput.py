@@ -1,5 +1,7 @@
 """Throughput measurements: the arithmetic of the reported rates, dtypes really used, clear errors."""
 
+import platform
+
 import pytest
 import torch
 
@@ -49,5 +51,27 @@ def test_cpu_features_agree_with_proc_cpuinfo():
     except OSError:
         assert feats == {}
         return
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        assert feats == {}
+        return
     flags = next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split()
     assert feats and all(feats[k] == (k in flags) for k in feats)
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le"])
+def test_cpu_features_unknown_off_x86(monkeypatch, machine):
+    # Lesson 02 asserts "fp16 is slower" only where the x86 flags are known; on an ARM CPU (which has fp16
+    # arithmetic of its own) an all-False dict would read as "no fp16 instructions" and trigger that assert.
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    assert cpu_features() == {}
+
+
+def test_cpu_features_unknown_without_a_flags_line(monkeypatch, tmp_path):
+    # ARM Linux prints "Features", not "flags": that is unknown, not "none of the flags".
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd fphp asimdhp bf16\n")
+    real_open = open
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path,
+                                                                          *a, **k))
+    assert cpu_features() == {}

@@ -154,3 +154,30 @@ def test_argument_errors_name_the_argument():
         U.smallest_log2_scale(np.ones(7))
     with pytest.raises(ValueError, match="format"):
         H.cast_counts(torch.ones(3), "tf32")
+
+
+def _binade_of(v: float) -> int:
+    """Oracle for the closed-at-top binade (2**k, 2**(k+1)] holding v > 0, from numpy's frexp."""
+    mantissa, exponent = np.frexp(v)                   # v = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return int(exponent) - 2 if mantissa == 0.5 else int(exponent) - 1
+
+
+def test_median_log2_is_the_binade_of_the_median_magnitude():
+    rows, expected = [], []
+    for seed, n in ((0, 1001), (1, 999), (2, 4000), (3, 7)):
+        v = torch.cat([log_uniform(n, -40, 10, seed=seed), torch.zeros(50)])     # zeros do not count
+        mags = np.sort(v.abs().double().numpy()[v.numpy() != 0])
+        expected.append(_binade_of(mags[(mags.size + 1) // 2 - 1]))           # the ceil(n/2)-th smallest
+        if n % 2:
+            assert expected[-1] == _binade_of(float(np.median(mags)))
+        rows.append(U.counts_of(v))
+    np.testing.assert_array_equal(U.median_log2(np.stack(rows)), expected)
+    # an exact power of two lies in the binade below it; an empty row has no median
+    assert U.median_log2(U.counts_of(torch.tensor([2.0 ** -25] * 3))) == -26
+    assert np.isnan(U.median_log2(U.counts_of(torch.zeros(4))))
+    assert U.median_log2(U.counts_of(torch.tensor([1e-40, 1e-40, 1.0]))) == -127     # fp32 subnormals: "below"
+
+
+def test_zero_share_counts_every_value_in_the_denominator():
+    counts = np.stack([U.counts_of(torch.tensor([0.0, 0.0, 1e-30, float("nan")])), np.zeros(H.NBINS, np.int64)])
+    np.testing.assert_allclose(U.zero_share(counts), [0.5, 0.0])

@@ -1,0 +1,235 @@
+"""Loading run files into a :class:`ampviz.run.Run`: one file, or a directory of rank files merged along a
+rank axis, within one memory budget and without a second copy of the histograms.
+
+Each file is read in two passes. The first reads the metadata, the per-step arrays (a few bytes a step)
+and the headers of the histogram arrays, and checks them all; the ranks are then lined up (the steps
+every rank recorded) and the merged arrays are allocated once, after checking that they fit the budget
+(``AMPVIZ_MAX_RUN_BYTES``, shared by every file of the load: ``ampviz report A B`` passes one budget to
+both). The second pass inflates each rank's histograms, piece by piece, straight into its slice::
+
+    run = load(Path("runs/ddp"))                 # what Run.load does
+    runs = [load(p, budget) for p in paths]      # several runs within one budget
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import _run_checks as checks
+from ._counting import NBINS
+from ._runfile import KINDS, META_BYTES, PER_HIST, PER_STEP, Budget, RunFileError, members, parse_meta, size_text
+from ._warnings import AmpvizWarning
+from ._zipread import npy_member, open_archive
+
+__all__ = ["load"]
+
+_PIECE = 1 << 20                 # histogram rows not inflated in place go through pieces of at most this size
+
+
+def load(path, budget: Budget | None = None):
+    """The run in ``path`` (a run file, or a directory of rank files), read within ``budget``."""
+    from .run import Run
+    path = Path(path)
+    budget = Budget() if budget is None else budget
+    if path.is_dir():
+        files = sorted(path.glob("*.npz"))
+        if not files:
+            raise RunFileError(f"{path}: directory holds no .npz run files")
+    elif not path.exists() and not path.is_symlink():
+        raise RunFileError(f"{path}: no such file or directory")
+    else:
+        files = [path]
+    with contextlib.ExitStack() as stack:
+        ranks = [_first_pass(f, budget, stack) for f in files]
+        if not path.is_dir():
+            order, steps, hist_steps, meta = ranks, ranks[0].light.steps, ranks[0].light.hist_steps, ranks[0].meta
+        else:
+            try:
+                lights, steps, hist_steps, meta = checks.merge_plan([r.light for r in ranks])
+            except RunFileError as e:
+                raise RunFileError(f"{path}: {e}") from None
+            order = [next(r for r in ranks if r.light is light) for light in lights]
+        arrays = _second_pass(order, steps, hist_steps, budget, path)
+    for r in order:
+        if r.torn:
+            warnings.warn(f"{r.path}: its last save did not finish ({size_text(r.torn)} at its end left out); "
+                          "loaded the run as it was saved before that", AmpvizWarning, stacklevel=3)
+    first = order[0].light
+    return Run(steps, hist_steps=hist_steps, tensor_names=first.tensor_names, tensor_kinds=first.tensor_kinds,
+               tensor_dtypes=first.tensor_dtypes, meta=meta, **arrays)
+
+
+# ------------------------------------------------------------------------------------ first pass
+class _RankFile(SimpleNamespace):
+    """One file after the first pass: ``light`` is a Run with every array but the histograms (zero views)."""
+
+
+def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
+    from .run import Run
+    archive, torn = stack.enter_context(open_archive(path))
+    meta_info, parts = members(path, archive)
+    meta = _read_meta(path, archive, meta_info, budget)
+    lists = {k: meta.pop(k, []) for k in ("tensor_names", "tensor_kinds", "tensor_dtypes")}
+    for name, value in lists.items():
+        if not isinstance(value, list):
+            raise RunFileError(f"{path}: corrupt run: {name}: expected a list, got {type(value).__name__}")
+    meta["ranks"] = [meta.pop("rank", 0)]
+    small = {}
+    for name in ("steps", "hist_steps"):               # 1-D: they fix every other entry's shape
+        small[name] = _read_small(path, archive, parts[name], name, budget, ())
+        if small[name].ndim != 1:
+            raise RunFileError(f"{path}: corrupt run: {name} has shape {small[name].shape}, expected (n,)")
+    n, h, t = small["steps"].size, small["hist_steps"].size, len(lists["tensor_names"])
+    for name in PER_STEP[1:]:
+        if name in parts:
+            small[name] = _read_small(path, archive, parts[name], name, budget, (n,))
+    heads = {name: _headers(path, archive, parts[name], name, budget, (h, t) + ((NBINS,) if name == "counts" else ()))
+             for name in PER_HIST[1:] if name in parts}
+    zeros = {name: np.broadcast_to(np.zeros((), KINDS[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
+             for name in heads}
+    try:
+        light = Run(small["steps"], hist_steps=small["hist_steps"], meta=meta, **lists,
+                    **{k: small[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped")},
+                    counts=zeros["counts"], grad_order=zeros.get("grad_order"),
+                    scheduler_steps=small["scheduler_steps"][None] if "scheduler_steps" in small else None)
+    except RunFileError as e:
+        raise RunFileError(f"{path}: {str(e).removeprefix('Run: ')}") from None
+    problems = checks.scale_problems(light)             # the histograms' values: in the second pass
+    if problems:
+        raise RunFileError(f"{path}: corrupt run: {checks.problem_text(problems)}")
+    return _RankFile(path=path, archive=archive, torn=torn, parts=parts, heads=heads, meta=meta, light=light)
+
+
+def _read_meta(path, archive, info, budget: Budget) -> dict:
+    if info.file_size > META_BYTES:
+        raise RunFileError(f"{path}: corrupt run: meta declares {size_text(info.file_size)} of metadata "
+                           f"(at most {size_text(META_BYTES)})")
+    budget.check(info.file_size, path, "meta")
+    with npy_member(path, archive, info, "meta", "U", "a JSON string") as member:
+        budget.take(member.nbytes, path, "meta")
+        raw = member.read()
+        if raw.ndim != 0:
+            raise RunFileError(f"{path}: not an ampviz run (its 'meta' entry is not a JSON string)")
+        if raw.dtype.itemsize and raw.reshape(1).view(np.uint32).max(initial=0) > 0x10FFFF:
+            raise RunFileError(f"{path}: corrupt run: meta: holds a code point beyond U+10FFFF (not text)")
+        text = str(raw[()])
+    return parse_meta(path, text)
+
+
+def _read_small(path, archive, infos, name: str, budget: Budget, shape: tuple) -> np.ndarray:
+    """A per-step array (or steps / hist_steps), its parts joined; ``shape``: the total it must have."""
+    kinds, dtype, what = KINDS[name]
+    pieces = []
+    expect = None if not shape and len(infos) == 1 else shape if len(infos) == 1 else (None,)
+    for k, info in enumerate(infos):
+        budget.check(info.file_size, path, name)
+        with npy_member(path, archive, info, _part(name, k, infos), kinds, what, expect) as member:
+            budget.take(member.nbytes, path, name)
+            pieces.append(_convert(path, name, member.read(), dtype))
+    arr = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    if shape and arr.shape != shape:
+        raise RunFileError(f"{path}: corrupt run: {name} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def _part(name: str, k: int, infos) -> str:
+    """How an error names part ``k`` of an array: ``counts``, or ``counts (part 2 of 3)``."""
+    return name if len(infos) == 1 else f"{name} (part {k} of {len(infos)})"
+
+
+def _headers(path, archive, infos, name: str, budget: Budget, shape: tuple) -> list:
+    """[(member, rows)] of a histogram array's parts, their headers checked against ``shape`` in total."""
+    kinds, _, what = KINDS[name]
+    out, rows = [], 0
+    expect = shape if len(infos) == 1 else (None,) + shape[1:]
+    for k, info in enumerate(infos):
+        budget.check(info.file_size, path, name)      # a zip bomb is refused from its declared size
+        with npy_member(path, archive, info, _part(name, k, infos), kinds, what, expect) as member:
+            rows += member.shape[0]
+        out.append((info, member.shape[0]))
+    if rows != shape[0]:
+        raise RunFileError(f"{path}: corrupt run: {name} has shape {(rows,) + shape[1:]}, expected {shape}")
+    return out
+
+
+def _convert(path, name: str, arr: np.ndarray, dtype) -> np.ndarray:
+    """``arr`` as ``dtype`` (int64, float64, ...), refusing integers that do not fit."""
+    target = np.dtype(dtype)
+    if arr.size and arr.dtype.kind in "iu" and target.kind == "i":
+        info = np.iinfo(target)
+        if arr.dtype.kind == "u" and arr.max() > info.max:
+            raise RunFileError(f"{path}: corrupt run: {name}: value {arr.max()} does not fit in {target.name}")
+        if arr.dtype.kind == "i" and arr.dtype.itemsize > target.itemsize and (
+                arr.min() < info.min or arr.max() > info.max):
+            raise RunFileError(f"{path}: corrupt run: {name}: values beyond {target.name}")
+    return arr.astype(target, copy=False)
+
+
+# ------------------------------------------------------------------------------------ second pass
+def _second_pass(order: list, steps, hist_steps, budget: Budget, where) -> dict:
+    """The merged arrays: per-step ones picked at the shared steps, histograms inflated into place."""
+    R, Hc, T = len(order), hist_steps.size, len(order[0].light.tensor_names)
+    out = {}
+    for name in ("loss", "loss_scale", "next_scale", "skipped", "scheduler_steps"):
+        values = [getattr(r.light, name) for r in order]
+        if any(v is None for v in values):
+            out[name] = None
+            continue
+        out[name] = values[0] if R == 1 else np.concatenate(
+            [v[:, np.searchsorted(r.light.steps, steps)] for v, r in zip(values, order)])
+    for name in ("counts", "grad_order"):
+        if any(name not in r.heads for r in order):
+            out[name] = None
+            continue
+        shape = (R, Hc, T) + ((NBINS,) if name == "counts" else ())
+        dtype = np.dtype(KINDS[name][1])
+        nbytes = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+        budget.take(nbytes, where if R > 1 else order[0].path,
+                    f"{name} ({' x '.join(map(str, shape))} {dtype.name})" if R > 1 else name)
+        try:
+            dest = np.empty(shape, dtype=dtype)
+        except MemoryError:
+            raise RunFileError(f"{where}: {name}: not enough free memory for {size_text(nbytes)}") from None
+        for r, rank in enumerate(order):
+            _inflate_rows(rank, name, dest[r], np.searchsorted(rank.light.hist_steps, hist_steps), budget)
+        out[name] = dest
+    for r, rank in enumerate(order):                   # the histograms' values, checked per file
+        problems = checks.histogram_problems(SimpleNamespace(
+            counts=out["counts"][r:r + 1], hist_steps=hist_steps, tensor_names=rank.light.tensor_names,
+            grad_order=None if out["grad_order"] is None else out["grad_order"][r:r + 1]))
+        if problems:
+            raise RunFileError(f"{rank.path}: corrupt run: {checks.problem_text(problems)}")
+    return out
+
+
+def _inflate_rows(rank: _RankFile, name: str, dest: np.ndarray, wanted: np.ndarray, budget: Budget) -> None:
+    """Rows ``wanted`` (positions in this rank's histogram steps) of array ``name`` into ``dest``, in pieces."""
+    kinds, dtype, what = KINDS[name]
+    rows = sum(n for _, n in rank.heads[name])
+    slot = np.full(rows, -1, dtype=np.int64)           # row of the file -> row of dest (-1: not kept)
+    slot[wanted] = np.arange(wanted.size)
+    first = 0
+    for info, n in rank.heads[name]:
+        to = slot[first:first + n]
+        with npy_member(rank.path, rank.archive, info, name, kinds, what) as member:
+            whole = member.fortran and len(member.shape) > 1      # not row by row: whole, then picked
+            if n and not whole and member.dtype == dest.dtype and np.array_equal(to, np.arange(to[0], to[0] + n)):
+                member.read_into(dest[to[0]:to[0] + n])           # in place: the usual case
+            else:
+                if whole:
+                    budget.take(member.nbytes, rank.path, name)
+                for start, block in [(0, member.read())] if whole else member.rows(_PIECE):
+                    piece = to[start:start + block.shape[0]]
+                    keep = piece >= 0
+                    if keep.all():
+                        dest[piece] = _convert(rank.path, name, block, dtype)
+                    elif keep.any():
+                        dest[piece[keep]] = _convert(rank.path, name, block[keep], dtype)
+                if whole:
+                    budget.give(member.nbytes)
+        first += n
