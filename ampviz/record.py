@@ -405,7 +405,7 @@ class Recorder:
 
     def _file_meta(self) -> dict:
         meta = dict(self._meta(), rank=self._rank, tensor_names=list(self.tensor_names),
-                    tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(self._dtypes))
+                    tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._tensor_dtypes())
         meta.pop("ranks")
         return meta
 
@@ -421,12 +421,16 @@ class Recorder:
         a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
-        # weight rows: the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes them)
+        return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
+                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._tensor_dtypes(),
+                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
+
+    def _tensor_dtypes(self) -> list:
+        """Each row's dtype: weight rows the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes
+        them), the others as the hooks saw them."""
         dtypes = [str(p.dtype) for _, p in self._params]
         initial = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
-        return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
-                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._capture.final_dtypes(initial),
-                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
+        return self._capture.final_dtypes(initial)
 
     def _meta(self) -> dict:
         sc = self.scaler
