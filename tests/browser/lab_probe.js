@@ -242,6 +242,9 @@ window.ampvizProbe = (() => {
       const size = t.marker && t.marker.size;
       const radius = t.mode && t.mode.includes('markers') && t.cliponaxis !== false
         ? (typeof size === 'number' ? size : Array.from(size || [0]).reduce((a, b) => Math.max(a, b), 0)) / 2 : 0;
+      // a vertical tick (line-ns) reaches no further sideways than its stroke, a horizontal one (line-ew) up or down
+      const symbol = String((t.marker && t.marker.symbol) || '');
+      const radii = [/^line-ns/.test(symbol) ? 0 : radius, /^line-ew/.test(symbol) ? 0 : radius];
       let outside = 0, cut = 0, n = 0;
       for (let i = 0; i < Math.min(t.x.length, t.y.length); i++) {
         const p = [[xa, t.x[i]], [ya, t.y[i]]].map(([a, v]) => a.d2l(v));
@@ -254,12 +257,14 @@ window.ampvizProbe = (() => {
           const tol = (hi - lo) * 0.005;
           if (p[k] < lo - tol || p[k] > hi + tol) { isOut = true; return; }
           const px = (p[k] - lo) / (hi - lo) * a._length;
-          if (radius > 1 && (px < radius - 1 || px > a._length - radius + 1)) isCut = true;
+          if (radii[k] > 1 && (px < radii[k] - 1 || px > a._length - radii[k] + 1)) isCut = true;
         });
         outside += isOut; cut += isCut && !isOut;
       }
       const name = t.name || `trace ${t.index}`;
-      if (outside) out.push(`"${name}" leaves the plot: ${outside} of ${n} points outside the axis range`);
+      // a trace wholly outside is one the figure leaves out of its range (a limit line past a clamped axis), not one
+      // that runs off the plot
+      if (outside && outside < n) out.push(`"${name}" leaves the plot: ${outside} of ${n} points outside the axis range`);
       if (cut) out.push(`"${name}": ${cut} of ${n} markers cut by the plot's edge`);
     }
     return out;
