@@ -7,20 +7,27 @@ Three sources that can disagree, kept apart:
 * :func:`autocast_kernels`: the aten ops that have an autocast kernel for a device type in the *installed*
   torch, read from its dispatcher;
 * :func:`autocast_policy`: which list an op is on, read from what it does (its output dtype for a
-  float32 and for a 16-bit input).
+  float32 and for a 16-bit input); :func:`trace_under_autocast`: every aten op a call runs, with its dtypes.
 
 On a machine without a GPU, CUDA autocast still runs: the installed torch carries CUDA's autocast kernels
 (they are device-independent C++), and :func:`run_under_autocast` feeds them *fake* CUDA tensors (torch's
-``FakeTensorMode``: shape, dtype and device, no data), with no autograd::
+``FakeTensorMode``: shape, dtype and device, no data), with no autograd. What that shows is real for a forward
+call: the autocast kernels and the C++ code above the CUDA kernels run as on a GPU, so casts, the dtype each op
+runs in and errors raised by autocast are those of a GPU. It cannot show the CUDA kernels' own numerics or errors,
+``torch.amp.autocast("cuda")``'s checks on entry (bypassed), or a backward::
 
     >>> import torch
-    >>> from ampviz.lessons.autocast_lists import autocast_kernels, autocast_policy
+    >>> from ampviz.lessons.autocast_lists import autocast_kernels, autocast_policy, trace_under_autocast
     >>> "chain_matmul" in autocast_kernels("cuda")        # still cast under CUDA autocast...
     True
     >>> autocast_policy("cuda", lambda t: torch.einsum("ij,jk->ik", t, t), torch.randn(4, 4))
     '16-bit'
     >>> autocast_policy("cpu", lambda t: t.softmax(-1), torch.randn(4, 4))
     'input dtype'
+    >>> logits, labels = torch.randn(4, 3, dtype=torch.float16), torch.zeros(4, dtype=torch.long)
+    >>> [(r.op, r.dtype) for r in trace_under_autocast("cuda", torch.nn.functional.cross_entropy, logits, labels)
+    ...  .records if r.op in ("_log_softmax", "nll_loss_forward")]
+    [('_log_softmax', 'float16'), ('nll_loss_forward', 'float32')]
 
 Used by lessons 03 (autocast) and 04 (autocast in practice).
 """
@@ -33,8 +40,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .autocast_ops import OpLog
+
 __all__ = ["DOCS_URL", "DOCUMENTED_OPS", "POLICY_NAMES", "documented_list", "documented_policy", "expected_dtype",
-           "autocast_kernels", "run_under_autocast", "autocast_policy", "PROBES"]
+           "autocast_kernels", "run_under_autocast", "trace_under_autocast", "autocast_policy", "PROBES",
+           "FakeCudaLimit"]
 
 # --- PyTorch's documented autocast op lists --------------------------------------------------
 # Copied by hand from the "Autocast Op Reference" of PyTorch's AMP docs (docs/source/amp.md in
@@ -135,6 +145,10 @@ def autocast_kernels(device_type: str) -> frozenset[str]:
     return frozenset(name.removeprefix("aten::").split(".")[0] for name in registrations if name.startswith("aten::"))
 
 
+class FakeCudaLimit(Exception):
+    """A call the fake-CUDA path cannot run on a CPU-only torch (not an error of autocast, nor of a GPU)."""
+
+
 @contextlib.contextmanager
 def _cuda_autocast_without_gpu(dtype: torch.dtype):
     """CUDA autocast's thread-local state, set as ``torch.amp.autocast("cuda").__enter__`` sets it, without its
@@ -156,28 +170,63 @@ def run_under_autocast(device_type: str, fn, *inputs: torch.Tensor, dtype: torch
     """``fn(*inputs)`` under ``device_type`` autocast to ``dtype`` (default: the device's), without autograd.
 
     ``device_type="cuda"`` on a machine without a GPU runs the installed torch's CUDA autocast kernels on
-    fake CUDA tensors of the inputs' shapes and dtypes (no data: only dtypes, shapes and errors are real).
-    Errors (such as autocast refusing an op) propagate.
+    fake CUDA tensors of the inputs' shapes and dtypes (no data: only dtypes, shapes and the errors autocast
+    raises are real; see the module docstring). Errors (such as autocast refusing an op) propagate; a call that
+    the fake path itself cannot run raises :class:`FakeCudaLimit`.
 
     Returns
     -------
     fn's result (a fake tensor in the no-GPU CUDA case).
     """
+    with _under_autocast(device_type, fn, inputs, dtype) as run:
+        return run()
+
+
+def trace_under_autocast(device_type: str, fn, *inputs: torch.Tensor, dtype: torch.dtype | None = None) -> OpLog:
+    """:func:`run_under_autocast`, traced: an :class:`~ampviz.lessons.autocast_ops.OpLog` of every aten op
+    ``fn(*inputs)`` ran (phase "forward"), with the dtypes it ran in; ``.result`` is fn's result.
+
+    On fake CUDA tensors each ``is_cuda()`` check of torch's C++ code reaches the tracer as an op ``device``
+    (no arithmetic); those records are left out.
+    """
+    with _under_autocast(device_type, fn, inputs, dtype) as run:
+        with OpLog() as tracer:
+            tracer.result = run()
+    tracer.records = [r for r in tracer.records if r.op != "device"]
+    return tracer
+
+
+@contextlib.contextmanager
+def _under_autocast(device_type, fn, inputs, dtype):
+    """Enter autocast (and, for CUDA without a GPU, fake tensors) and yield a function that calls ``fn`` on the
+    inputs moved to ``device_type`` (or faked there)."""
     if device_type not in _DISPATCH_KEYS:
         raise ValueError(f"device_type: expected one of {sorted(_DISPATCH_KEYS)}, got {device_type!r}")
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
     dtype = dtype or torch.get_autocast_dtype(device_type)
     if device_type == "cpu" or torch.cuda.is_available():
+        moved = [t.detach().to(device_type) for t in inputs]
         with torch.no_grad(), torch.amp.autocast(device_type, dtype=dtype):
-            return fn(*(t.detach().to(device_type) for t in inputs))
-    # torch's fake tensors (imported here: the import loads torch._dynamo, seconds on a first call). Autograd on
-    # fake CUDA tensors aborts a CPU-only build of torch, so this path never records a graph (no_grad).
+            yield lambda: fn(*moved)
+        return
+    # torch's fake tensors (imported here: the first call loads torch._dynamo, seconds). Autograd on fake CUDA
+    # tensors aborts a CPU-only build of torch, so this path never records a graph (no_grad).
     from torch._subclasses.fake_tensor import FakeTensorMode
     with torch.no_grad(), FakeTensorMode():
         fakes = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in inputs]
         with _cuda_autocast_without_gpu(dtype):
-            return fn(*fakes)
+            yield lambda: _call_on_fakes(fn, fakes)
+
+
+def _call_on_fakes(fn, fakes):
+    try:
+        return fn(*fakes)
+    except RuntimeError as err:        # some calls (e.g. t[None]) need real CUDA support even on fake tensors
+        if "not linked with support for cuda" not in str(err):
+            raise
+        raise FakeCudaLimit(f"fn: this call needs a CUDA build of torch even on fake tensors ({err}); it says "
+                            "nothing about autocast: rewrite it (t.unsqueeze(0) for t[None]) or use a GPU") from err
 
 
 def autocast_policy(device_type: str, fn, example: torch.Tensor, dtype: torch.dtype | None = None) -> str:
@@ -188,7 +237,8 @@ def autocast_policy(device_type: str, fn, example: torch.Tensor, dtype: torch.dt
     Returns
     -------
     "16-bit" (both outputs 16-bit), "float32" (both float32), "input dtype" (each output in its input's
-    dtype), "raises: <the error's first line>" when the op raises under autocast, else
+    dtype), "raises: <the error's first line>" when the op raises under autocast (a :class:`FakeCudaLimit`
+    propagates instead: it is no answer), else
     "float32 in → …, 16-bit in → …".
     """
     dtype = dtype or torch.get_autocast_dtype(device_type)

@@ -255,7 +255,8 @@ def default_cases() -> dict:
 
 
 class AutocastExplorer(widgets.VBox):
-    """Dropdowns for model, autocast dtype, device and phase; a bar chart and table of the trace.
+    """Dropdowns for model, autocast dtype, device and phase; a bar chart and table of the trace. Every trace of
+    the chosen device is computed before the figure is built (a control only indexes them).
 
     Public state: ``case``, ``autocast``, ``device`` (shown only when there is a GPU), ``phase``,
     ``hide_views`` (controls),
@@ -279,6 +280,13 @@ class AutocastExplorer(widgets.VBox):
         self.device = widgets.Dropdown(options=devices, value=device, description="device")
         self.phase = widgets.ToggleButtons(options=["forward", "backward", "both"], value="forward")
         self.hide_views = widgets.Checkbox(value=True, description="hide view ops (no arithmetic)")
+        # Every trace of this device first, the figure last: when the figure's comm opens, the browser imports
+        # plotly's 5 MB module and anywidget gives it 2 s, after which the figure ignores every update (a blank
+        # chart); heavy work in the kernel then only makes that likelier. The controls then index, never trace.
+        for case in self.cases:
+            for autocast in _AUTOCAST:
+                self.trace_for(case, autocast, device)
+        self.readout, self.table = widgets.HTML(), widgets.HTML()
         self.figure = go.FigureWidget(
             data=[go.Bar(name=name, orientation="h", marker_color=color, x=[], y=[])
                   for name, color in CATEGORY_COLORS.items()],
@@ -286,7 +294,6 @@ class AutocastExplorer(widgets.VBox):
                                xaxis_title="runs in one step", yaxis=dict(autorange="reversed", automargin=True),
                                legend=dict(orientation="h", y=1.0, yanchor="bottom", x=0, traceorder="normal")))
         self.figure.layout.margin.t = 110
-        self.readout, self.table = widgets.HTML(), widgets.HTML()
         for control in (self.case, self.autocast, self.device, self.phase, self.hide_views):
             control.observe(self._update, names="value")
         # a device menu with one entry would be a control that changes nothing: show it only with a GPU

@@ -202,12 +202,13 @@ class PlacementExplorer(widgets.VBox):
 
     The y axis is logarithmic and fixed (``Y_RANGE``, relative to the recommended step's largest update), so a
     difference of 1e-4 and one of 2 look as different as they are; a parameter that came out bit-for-bit
-    identical is drawn at the floor with the label "0".
+    identical is drawn at the floor with the label "0". The steps of the first setting and of every setting one
+    control away (:meth:`first_moves`) are computed before the figure is built.
 
     Public state: ``optimizer``, ``dtype``, ``island`` (controls), ``figure`` (a FigureWidget: one bar trace
-    per misplaced step, one bar per parameter), ``readout`` (HTML), ``reference`` and ``results`` (the
-    :class:`PlacementResult` of the recommended step and of each misplaced one), ``changes`` (per misplaced
-    step, the largest |difference| per parameter relative to the reference step's largest update).
+    per misplaced step, one bar per parameter), ``readout`` (HTML), ``steps_computed``, ``reference`` and
+    ``results`` (the :class:`PlacementResult` of the recommended step and of each misplaced one), ``changes``
+    (per misplaced step, the largest |difference| per parameter relative to the reference step's largest update).
     """
 
     MISPLACED = {"backward": "backward inside", "step": "backward, step and update inside"}
@@ -221,6 +222,11 @@ class PlacementExplorer(widgets.VBox):
         self.dtype = widgets.Dropdown(options=[("float16", torch.float16), ("bfloat16", torch.bfloat16)],
                                       value=torch.float16, description="autocast")
         self.island = widgets.Checkbox(value=island, description="head as a float32 island")
+        # The first setting and every setting one control away, before the figure exists: once its comm opens the
+        # browser has 2 s to load plotly's module (anywidget), and a busy kernel makes a blank chart likelier
+        for optimizer, dtype, on in self.first_moves():
+            for inside in INSIDE:
+                self.step_for(optimizer, dtype, inside, on)
         colors = (OKABE_ITO["blue"], OKABE_ITO["orange"])
         lo, hi = (math.log10(v) for v in self.Y_RANGE)
         self.figure = go.FigureWidget(
@@ -240,6 +246,18 @@ class PlacementExplorer(widgets.VBox):
             control.observe(self._update, names="value")
         super().__init__([widgets.HBox([self.optimizer, self.dtype, self.island]), self.readout, self.figure])
         self._update()
+
+    def first_moves(self) -> list[tuple]:
+        """The current (optimizer, dtype, island) setting and each setting that one control change reaches."""
+        optimizer, dtype, island = self.optimizer.value, self.dtype.value, self.island.value
+        return ([(optimizer, dtype, island)] + [(o, dtype, island) for o in OPTIMIZERS if o != optimizer]
+                + [(optimizer, d, island) for d in (torch.float16, torch.bfloat16) if d != dtype]
+                + [(optimizer, dtype, not island)])
+
+    @property
+    def steps_computed(self) -> int:
+        """How many steps have been run so far (each setting once; a control change to a computed one runs none)."""
+        return len(self._cache)
 
     def step_for(self, optimizer, dtype, inside, island) -> PlacementResult:
         """The (cached) :func:`placement_step` for one setting."""

@@ -93,6 +93,7 @@ def update_figure(w, update, format="fp16", title: str | None = None) -> go.Figu
     fig.add_scatter(name="share", x=xs, mode="lines", showlegend=False, line=dict(color=OKABE_ITO["blue"], width=2),
                     hovertemplate="update 1e%{x:.2f}: %{y:.2f} applied<extra></extra>", row=2, col=1)
     fig.add_scatter(name="share now", mode="markers", showlegend=False, marker=dict(size=12, color="#222222"),
+                    cliponaxis=False,                  # whole at either end of the update range
                     hovertemplate="this update: %{y:.3f} applied<extra></extra>", row=2, col=1)
     fig.add_shape(name="lost zone", type="rect", xref="x", yref="y domain", y0=0, y1=1, x0=-0.5, x1=0.5,
                   fillcolor=_LOST, opacity=0.14, line_width=0, layer="below")
@@ -115,7 +116,7 @@ def update_figure(w, update, format="fp16", title: str | None = None) -> go.Figu
     ticks = list(range(int(UPDATE_RANGE[0]), int(UPDATE_RANGE[1]) + 1))
     fig.update_xaxes(title_text="requested update (log10 scale)", tickvals=ticks,
                      ticktext=[f"1e{t}" for t in ticks], range=list(UPDATE_RANGE), row=2, col=1)
-    fig.update_yaxes(title_text="applied / requested", range=[-0.05, 2.05], row=2, col=1)
+    fig.update_yaxes(title_text="applied / requested", range=[-0.1, 2.1], row=2, col=1)  # the dot at 0 stays whole
     set_update(fig, w, update, fmt)
     return fig
 

@@ -85,14 +85,18 @@ def orthogonalization_errors(grads, autocast_dtype: torch.dtype = torch.float16)
     Returns
     -------
     dict of lists, one entry per gradient: "bfloat16" and "autocast" (relative Frobenius distance to the
-    float64 iteration), "between" (the two 16-bit updates' distance, relative to the float64 one).
+    float64 iteration), "between" (the two 16-bit updates' distance, relative to the float64 one),
+    "rounded input" (the float64 iteration started from the gradient rounded to bfloat16, as both 16-bit
+    versions start: the share of the distance that the products' dtype cannot change).
     """
-    out = {"bfloat16": [], "autocast": [], "between": []}
+    out = {"bfloat16": [], "autocast": [], "between": [], "rounded input": []}
     for g in grads:
         exact = newton_schulz(g.double(), torch.float64)
         plain, cast = (muon_update(g, dt).double() for dt in (None, autocast_dtype))
+        rounded = newton_schulz(g.bfloat16().double(), torch.float64)
         norm = exact.norm()
         out["bfloat16"].append(float((plain - exact).norm() / norm))
         out["autocast"].append(float((cast - exact).norm() / norm))
         out["between"].append(float((plain - cast).norm() / norm))
+        out["rounded input"].append(float((rounded - exact).norm() / norm))
     return out

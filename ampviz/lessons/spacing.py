@@ -108,6 +108,7 @@ def spacing_figure(formats=("fp32", "bf16", "fp16"), lo: int = -26, hi: int = 18
                                                 bgcolor="rgba(255,255,255,0.85)"),
                                     inline_subtitle=True))
     fig.update_xaxes(title="|x|", tickvals=xt, ticktext=xl, range=[lo - 0.5, hi + 0.5])
+    # two binades of margin: a line's end tick (14 px tall) and a mark (11 px) stay whole at the top and bottom
     fig.update_yaxes(title="ulp(x): gap to the next number up", tickvals=yt, ticktext=yl,
-                     range=[ylo - 1, yhi + 1])
+                     range=[ylo - 2, yhi + 2])
     return fig

@@ -422,7 +422,8 @@ class Recorder:
                    meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
 
     def _tensor_dtypes(self) -> list:
-        # weight rows: the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes them)
+        """Each row's dtype: weight rows the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes
+        them), the others as the hooks saw them."""
         dtypes = [str(p.dtype) for _, p in self._params]
         initial = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
         return self._capture.final_dtypes(initial)

@@ -16,6 +16,7 @@ halves, still import.)
 
 from .policies import (
     POLICIES,
+    SETTING_RULES,
     DeepSpeedPolicy,
     MegatronPolicy,
     Replay,
@@ -28,4 +29,5 @@ from .policies import (
 from .trace import TRACE_RULES, policy_from_run, trace_from_run
 
 __all__ = ["TorchPolicy", "DeepSpeedPolicy", "MegatronPolicy", "StaticPolicy", "POLICIES", "Replay", "replay",
-           "policy_from_scaler", "policy_fields", "trace_from_run", "policy_from_run", "TRACE_RULES"]
+           "policy_from_scaler", "policy_fields", "trace_from_run", "policy_from_run", "TRACE_RULES",
+           "SETTING_RULES"]

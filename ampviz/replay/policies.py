@@ -27,12 +27,11 @@ import numpy as np
 from ..formats import get_format
 
 __all__ = ["TorchPolicy", "DeepSpeedPolicy", "MegatronPolicy", "StaticPolicy", "POLICIES",
-           "Replay", "replay", "policy_from_scaler", "policy_fields"]
+           "Replay", "replay", "policy_from_scaler", "policy_fields", "SETTING_RULES"]
 
 
-# every numeric setting of every policy: (test, what is valid); min_scale is checked against init_scale.
-# Not in __all__; the run checks read it for a file's scaler settings
-FIELD_RULES = {
+# every numeric setting of every policy: (test, what is valid); min_scale is checked against init_scale
+SETTING_RULES = {
     "init_scale": (lambda v, p: 0 < v < math.inf, "a positive finite number"),
     "growth_factor": (lambda v, p: v > 1, "a number > 1"),
     "scale_factor": (lambda v, p: v > 1, "a number > 1"),
@@ -48,12 +47,12 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _validate(policy) -> None:
-    """Check every numeric field of ``policy`` against FIELD_RULES, naming the field, value and valid range."""
+    """Check every numeric field of ``policy`` against SETTING_RULES, naming the field, value and valid range."""
     for f in fields(policy):
-        if f.name not in FIELD_RULES:
+        if f.name not in SETTING_RULES:
             continue
         value = getattr(policy, f.name)
-        ok, valid = FIELD_RULES[f.name]
+        ok, valid = SETTING_RULES[f.name]
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not ok(value, policy):
             raise ValueError(f"{f.name}: got {value!r}; expected {valid}")

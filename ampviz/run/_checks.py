@@ -18,7 +18,7 @@ import numpy as np
 
 from .._counting import NBINS
 from .._warnings import AmpvizWarning
-from ..replay.policies import FIELD_RULES as SCALER_RULES
+from ..replay import SETTING_RULES as SCALER_RULES
 from ._file import RunFileError
 from ._file import show as show_value
 from ._schema import DOMAINS, KINDS

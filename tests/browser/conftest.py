@@ -2,11 +2,14 @@
 
 ``lab`` starts JupyterLab on 127.0.0.1 (a free port, a random token, ``--allow-root`` because CI
 runs as root) with fresh config / data / runtime / IPython directories under pytest's tmp dir and
-two user settings: the default kernel starts without a dialog, and no news is fetched. Its
+three user settings: the default kernel starts without a dialog, every cell stays in the page (no
+windowing: a test reads cells scrolled out of view), and no news is fetched. Its root holds this
+folder's notebooks and a copy of ``lessons/`` (JupyterLab autosaves outputs into what it serves). Its
 teardown deletes every session and kernel through the REST API and stops the server by PID,
 also when the test failed. ``page`` is a Playwright page in ``/usr/bin/chromium`` with a fresh
-profile; it records uncaught page errors in ``page.errors`` and every dialog in ``page.dialogs``,
-dismissing alerts, confirms and prompts and accepting beforeunload (a navigation goes ahead).
+profile; it records uncaught page errors in ``page.errors``, console errors in
+``page.console_errors`` and every dialog in ``page.dialogs``, dismissing alerts, confirms and
+prompts and accepting beforeunload (a navigation goes ahead).
 Everything is skipped, with the reason, when Chromium is not installed (set ``AMPVIZ_CHROMIUM``
 to use a Chromium elsewhere).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -33,8 +37,9 @@ CHROMIUM = Path(os.environ.get("AMPVIZ_CHROMIUM", "/usr/bin/chromium"))     # CI
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 HERE = Path(__file__).resolve().parent
+LESSONS = HERE.parents[1] / "lessons"
 USER_SETTINGS = {
-    "notebook-extension/tracker.jupyterlab-settings": {"autoStartDefaultKernel": True},
+    "notebook-extension/tracker.jupyterlab-settings": {"autoStartDefaultKernel": True, "windowingMode": "none"},
     "apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
 }
 
@@ -73,8 +78,23 @@ class Lab:
                                               "kernel": {"name": "python3"}})
         return session["kernel"]["id"]
 
+    def kernel(self, notebook: str) -> dict:
+        """The REST model of the notebook's kernel: ``execution_state`` and ``last_activity`` (the server
+        updates both from every message the kernel publishes, widget updates included)."""
+        session = next(s for s in self.api("sessions") if s["path"] == notebook)
+        return self.api(f"kernels/{session['kernel']['id']}")
+
+    def end_sessions(self, notebook: str | None = None) -> None:
+        """Delete the notebook's sessions (every session when None), which shuts their kernels down."""
+        for session in self.api("sessions"):
+            if notebook is None or session["path"] == notebook:
+                self.api(f"sessions/{session['id']}", method="DELETE")
+
     def lab_url(self, notebook: str) -> str:
-        return f"{self.url}/lab/tree/{notebook}?token={self.token}"
+        """The notebook in a workspace of its own: the default workspace would reopen every notebook an
+        earlier test opened (each starting a kernel, their cells in the page too)."""
+        workspace = re.sub(r"[^A-Za-z0-9]+", "-", notebook)
+        return f"{self.url}/lab/workspaces/{workspace}/tree/{notebook}?token={self.token}"
 
     def kernel_events(self) -> list[str]:
         """The server log's kernel start / restart / shutdown lines."""
@@ -123,8 +143,7 @@ def _wait_until_up(lab: Lab, timeout: float = 90.0) -> None:
 def _stop(lab: Lab) -> None:
     """Delete sessions and kernels (kernels outlive the browser), then stop the server by PID."""
     try:
-        for session in lab.api("sessions"):
-            lab.api(f"sessions/{session['id']}", method="DELETE")
+        lab.end_sessions()
         for kernel in lab.api("kernels"):
             lab.api(f"kernels/{kernel['id']}", method="DELETE")
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
@@ -148,10 +167,10 @@ def chromium() -> Path:
 
 @pytest.fixture(scope="session")
 def lab(chromium, tmp_path_factory):
-    """A JupyterLab server whose root holds this folder's notebooks."""
+    """A JupyterLab server whose root holds this folder's notebooks and a copy of ``lessons/``."""
     base = tmp_path_factory.mktemp("lab")
     root = base / "root"
-    root.mkdir()
+    shutil.copytree(LESSONS, root / "lessons")
     for nb in HERE.glob("*.ipynb"):
         shutil.copy(nb, root / nb.name)
     env, token, port = _fresh_jupyter_env(base / "jupyter"), secrets.token_hex(16), _free_port()
@@ -173,7 +192,8 @@ def lab(chromium, tmp_path_factory):
 @pytest.fixture
 def page(chromium, tmp_path):
     """A Playwright page in headless Chromium with a fresh profile; uncaught errors in ``page.errors``,
-    dialogs in ``page.dialogs`` (dismissed, except beforeunload: leaving the page goes ahead)."""
+    console errors in ``page.console_errors``, dialogs in ``page.dialogs`` (dismissed, except
+    beforeunload: leaving the page goes ahead)."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
@@ -181,8 +201,9 @@ def page(chromium, tmp_path):
             args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1800})
         try:
             pg = context.pages[0] if context.pages else context.new_page()
-            pg.errors, pg.dialogs = [], []
+            pg.errors, pg.console_errors, pg.dialogs = [], [], []
             pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+            pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)
             # a beforeunload dialog is accepted: dismissing it cancels the navigation the test asked for (goto
             # fails with net::ERR_ABORTED), and JupyterLab raises one whenever a notebook has unsaved outputs
             pg.on("dialog", lambda d: (pg.dialogs.append(f"{d.type}: {d.message}"),

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from ampviz.lessons.autocast_lists import (
     DOCUMENTED_OPS,
     PROBES,
+    FakeCudaLimit,
     autocast_kernels,
     autocast_policy,
     documented_list,
     documented_policy,
     expected_dtype,
     run_under_autocast,
+    trace_under_autocast,
 )
 
 
@@ -54,7 +56,7 @@ def test_the_dispatcher_knows_cuda_ops_the_documentation_leaves_out():
     for op in ("chain_matmul", "einsum", "scaled_dot_product_attention", "linalg_vecdot", "logsumexp"):
         assert op in cuda and documented_list("cuda", op) is None, op
     assert {"mm", "addmm", "softmax", "sum", "log_softmax", "nll_loss"} <= cuda
-    assert "cross_entropy_loss" in cpu and "cross_entropy_loss" not in cuda   # CUDA: via log_softmax + nll_loss
+    assert "cross_entropy_loss" in cpu and "cross_entropy_loss" not in cuda   # CUDA: through its composite
     assert "softmax" not in cpu and "relu" not in cpu | cuda
     with pytest.raises(ValueError, match="device_type"):
         autocast_kernels("xla")
@@ -123,3 +125,68 @@ def test_fake_and_real_cuda_agree():
                                                   if op not in {"einsum", "linalg_vecdot", "chain_matmul",
                                                                 "scaled_dot_product_attention", "logsumexp"}
                                                   else ("float32" if op == "logsumexp" else "16-bit")), op
+
+
+def _loss_route(device_type, low):
+    logits, labels = torch.randn(6, 4).to(low), torch.randint(0, 4, (6,))
+    tracer = trace_under_autocast(device_type, F.cross_entropy, logits, labels, dtype=low)
+    return tracer, [(r.op, r.input_dtypes, r.output_dtypes) for r in tracer.records
+                    if r.op in ("_to_copy", "_log_softmax", "nll_loss_forward")]
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_cross_entropy_takes_a_different_route_to_float32_on_each_device(low):
+    """CPU autocast casts the logits up for cross_entropy_loss; CUDA has no kernel for it, and its composite calls
+    log_softmax with the logits' own dtype, which autocast respects: log_softmax runs in 16 bits and nll_loss casts
+    the log-probabilities up (the lesson used to say the logits were cast up on both devices)."""
+    name = str(low).removeprefix("torch.")
+    cpu, cpu_route = _loss_route("cpu", low)
+    cuda, cuda_route = _loss_route("cuda", low)
+    assert cpu_route == [("_to_copy", (name,), ("float32",)), ("_log_softmax", ("float32",), ("float32",)),
+                         ("nll_loss_forward", ("float32",), ("float32", "float32"))]
+    assert cuda_route == [("_log_softmax", (name,), (name,)), ("_to_copy", (name,), ("float32",)),
+                          ("nll_loss_forward", ("float32",), ("float32", "float32"))]
+    assert cpu.result.dtype == cuda.result.dtype == torch.float32
+    assert all(r.op != "device" for r in cuda.records)           # fake tensors' is_cuda() checks left out
+    assert not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
+
+
+def test_trace_under_autocast_names_bad_arguments():
+    with pytest.raises(ValueError, match="device_type"):
+        trace_under_autocast("xpu", torch.exp, torch.randn(2))
+    with pytest.raises(TypeError, match="fn: expected a callable"):
+        trace_under_autocast("cuda", None, torch.randn(2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fake-CUDA path is used only without a GPU")
+def test_a_call_the_fake_path_cannot_run_is_not_reported_as_autocast_refusing_it():
+    """t[None] on a fake CUDA tensor fails on a CPU-only torch ("not linked with support for cuda"); a GPU runs it.
+    That must not come back as an autocast policy ("raises: ...")."""
+    x = torch.randn(4, 4)
+    with pytest.raises(FakeCudaLimit, match="t.unsqueeze"):
+        run_under_autocast("cuda", lambda t: t[None], x)
+    with pytest.raises(FakeCudaLimit):
+        autocast_policy("cuda", lambda t: torch.bmm(t[None], t[None]), x)
+    assert autocast_policy("cuda", lambda t: torch.bmm(t.unsqueeze(0), t.unsqueeze(0)), x) == "16-bit"
+    assert not torch.is_autocast_enabled("cuda")
+
+
+@pytest.mark.gpu
+def test_real_cuda_takes_the_route_the_fake_tensors_show():
+    assert _loss_route("cuda", torch.float16)[1][0] == ("_log_softmax", ("float16",), ("float16",))
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_cuda_autocast_sums_with_dtype_float32_without_copying(low):
+    """Lesson 04 said the bias sum ran "on float32 copies"; sum is an fp32_set_opt_dtype op: autocast passes
+    dtype=float32 and the kernel reads the 16-bit tensor itself."""
+    records = trace_under_autocast("cuda", lambda g: g.sum(0), torch.randn(8, 3).to(low), dtype=low).records
+    assert [(r.op, r.output_dtypes) for r in records] == [("sum", ("float32",))]
+
+
+def test_muons_norm_is_float32_under_cuda_bf16_autocast_and_bf16_under_cpu():
+    g = torch.randn(8, 8).bfloat16()
+    assert {d: trace_under_autocast(d, torch.linalg.vector_norm, g, dtype=torch.bfloat16).result.dtype
+            for d in ("cpu", "cuda")} == {"cpu": torch.bfloat16, "cuda": torch.float32}
+    # autocast never casts float64: the scaler's reciprocal stays float64 on CUDA's float32 list
+    assert trace_under_autocast("cuda", lambda s: s.double().reciprocal(), torch.ones(1)).result.dtype == torch.float64

@@ -174,3 +174,31 @@ def test_op_trace_explorer_shows_no_device_menu_with_a_single_device():
     w = AutocastExplorer(device="cpu")
     shown = [c for box in w.children if hasattr(box, "children") for c in box.children]
     assert (w.device in shown) == torch.cuda.is_available()      # a one-entry menu would change nothing
+
+
+def test_op_trace_explorer_traces_everything_before_its_figure_and_then_only_indexes(monkeypatch):
+    """The browser pass saw the explorer's chart blank: anywidget gives a figure's model 2 s to load plotly's
+    module after its comm opens, then drops every update. So no trace may run once the figure exists."""
+    import plotly.graph_objects as go
+
+    import ampviz.lessons.autocast_ops as ops
+    events, trace, figure = [], ops.log_training_step, go.FigureWidget
+
+    def traced(*args, **kwargs):
+        events.append("trace")
+        return trace(*args, **kwargs)
+
+    def built(*args, **kwargs):
+        events.append("figure")
+        return figure(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "log_training_step", traced)
+    monkeypatch.setattr(ops.go, "FigureWidget", built)
+    w = ops.AutocastExplorer(device="cpu")
+    assert events == ["trace"] * (len(w.cases) * 3) + ["figure"], events
+    for case in w.cases:
+        for autocast in ("off", "float16", "bfloat16"):
+            w.case.value, w.autocast.value = case, autocast
+            for phase in ("backward", "both", "forward"):
+                w.phase.value = phase
+    assert events.count("trace") == len(w.cases) * 3 and w.figure.layout.title.text.startswith(w.case.value)

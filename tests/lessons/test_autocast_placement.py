@@ -7,7 +7,9 @@ from ampviz.examples.data import digits
 from ampviz.examples.models import MLP
 from ampviz.lessons.autocast_code import (
     CUSTOM_VARIANTS,
+    VARIANTS,
     autocast_in_threads,
+    custom_matmul,
     parallel_apply_autocast_call,
     trace_custom_function,
 )
@@ -59,6 +61,15 @@ def test_custom_function_decorators_decide_the_dtypes_of_forward_and_backward():
     kept = trace_custom_function("custom_fwd + custom_bwd")
     assert kept["error"] is None and kept["backward mm"] == ["bfloat16, bfloat16"] * 2
     assert len(CUSTOM_VARIANTS) == 4
+
+
+def test_custom_fwd_without_custom_bwd_leaves_the_backward_without_autocast():
+    """Lesson 04b's exercise: custom_fwd alone records the forward's autocast state but nothing restores it in the
+    backward, which then fails outside the block as the plain Function does."""
+    alone = trace_custom_function("custom_fwd")
+    assert alone["output"] == "bfloat16" and alone["error"] and "same dtype" in alone["error"]
+    assert trace_custom_function("custom_fwd", backward_inside=True)["error"] is None
+    assert "custom_fwd" in VARIANTS and "custom_fwd" not in CUSTOM_VARIANTS
 
 
 def test_bad_arguments_are_named(batch):
@@ -162,3 +173,54 @@ def test_the_engine_sums_a_gradient_to_its_input_shape_then_casts_it_to_its_dtyp
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
         assert engine_reduces_then_casts(dtype) == [("sum", ("float32",), ("float32",)),
                                                     ("_to_copy", ("float32",), (name,))]
+
+
+def test_explorer_computes_every_first_move_before_its_figure(batch, monkeypatch):
+    """A figure's model has 2 s to load plotly's module once its comm opens (anywidget), so the steps a learner's
+    first change needs are computed before the figure exists; one control change then runs no step."""
+    import plotly.graph_objects as go
+
+    import ampviz.lessons.autocast_placement as placement
+    events, step, figure = [], placement.placement_step, go.FigureWidget
+
+    def stepped(*args, **kwargs):
+        events.append("step")
+        return step(*args, **kwargs)
+
+    def built(*args, **kwargs):
+        events.append("figure")
+        return figure(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "placement_step", stepped)
+    monkeypatch.setattr(placement.go, "FigureWidget", built)
+    explorer = PlacementExplorer(*batch, lr=0.02)
+    assert len(explorer.first_moves()) == 5 and events == ["step"] * 15 + ["figure"]
+    assert explorer.steps_computed == 15
+    for control, value in ((explorer.optimizer, "adam"), (explorer.optimizer, "muon"),
+                           (explorer.dtype, torch.bfloat16), (explorer.island, False)):
+        start = control.value
+        control.value = value
+        control.value = start
+    assert events.count("step") == 15 == explorer.steps_computed
+
+
+def test_cast_inputs_casts_only_inside_an_autocast_block():
+    """Lesson 04b said cast_inputs casts the inputs to float32; it does so only where autocast is enabled."""
+    fn = custom_matmul("custom_fwd(cast_inputs=float32)")
+    h = torch.randn(4, 4).to(torch.bfloat16)
+    assert fn.apply(h, h).dtype == torch.bfloat16
+    with torch.amp.autocast("cpu", dtype=torch.bfloat16):
+        assert fn.apply(h, h).dtype == torch.float32
+
+
+def test_a_forward_that_carries_its_own_autocast_keeps_its_dtype_in_every_thread():
+    """Lesson 04b's fix for DataParallel's replicas (dtype not inherited): autocast on the model's forward."""
+    class SelfCast(torch.nn.Linear):
+        @torch.autocast("cpu", dtype=torch.float16)
+        def forward(self, x):
+            return super().forward(x)
+
+    x = torch.randn(4, 8)
+    assert autocast_in_threads(torch.nn.Linear(8, 3), x, torch.float16)["new thread + the caller's enabled flag"] \
+        == torch.bfloat16
+    assert set(autocast_in_threads(SelfCast(8, 3), x, torch.float16).values()) == {torch.float16}
