@@ -30,10 +30,9 @@ from pathlib import Path
 
 from . import __version__
 from ._extras import MissingExtra, Unavailable, require
-from ._runfile import Budget, strict_json
 from ._text import printable
 from .formats import FORMATS
-from .run import Run, RunFileError
+from .run import Budget, Run, RunFileError, strict_json
 
 __all__ = ["main", "build_parser"]
 
@@ -192,7 +191,7 @@ class _term_exits:
 
 
 def _load(path, budget: Budget | None = None) -> Run:
-    from ._runload import load
+    from .run import load
     return load(Path(path), budget)
 
 

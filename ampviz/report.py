@@ -26,9 +26,8 @@ from . import __version__
 from . import histogram as H
 from ._files import atomic_write
 from ._text import lone_surrogate, printable
-from ._zipread import holds_run
 from .formats import get_format
-from .run import Run
+from .run import Run, holds_run
 
 __all__ = ["write_report", "report_html", "representative_steps", "summary_rows", "worst_without_scaling",
            "format_scale"]

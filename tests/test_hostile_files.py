@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from ampviz import histogram as H
-from ampviz._runfile import MAGIC
 from ampviz._warnings import AmpvizWarning
-from ampviz.run import Run, RunFileError
+from ampviz.run import MAGIC, Run, RunFileError
 
 STEPS, TENSORS = 4, 2
 SCALER = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5}

@@ -108,6 +108,54 @@ def test_private_names_stay_inside_their_package():
     assert not offenders, "\n".join(offenders)
 
 
+# the pipeline: record/ produces a run/ that doctor, replay, export, report, plots and widgets read. Neither
+# reaches up the pipeline, except these edges, each listed with why:
+ALLOWED_UPWARD = {
+    ("ampviz.run.run", "ampviz.doctor"): "Run.diagnose() and Run.summary() are thin wrappers of ampviz.doctor "
+                                         "(imported lazily: ampviz.doctor imports Run)",
+}
+ABOVE = {
+    "ampviz.run": ("ampviz.record", "ampviz.doctor", "ampviz.export", "ampviz.report", "ampviz.cli", "ampviz.demo",
+                   "ampviz.plots", "ampviz.widgets", "ampviz.integrations", "ampviz.examples"),
+    "ampviz.record": ("ampviz.doctor", "ampviz.export", "ampviz.report", "ampviz.cli", "ampviz.demo", "ampviz.plots",
+                      "ampviz.widgets", "ampviz.integrations", "ampviz.examples"),
+}
+
+
+def test_record_and_run_are_packages_whose_private_modules_nobody_else_imports():
+    for package in ("record", "run"):
+        assert (PACKAGE / package / "__init__.py").is_file()
+    flat = sorted(p.name for p in PACKAGE.glob("_r*.py") if p.name.startswith(("_record", "_run")))
+    assert not flat, f"top-level modules that belong in record/ or run/: {flat}"
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        me = module_name(path)
+        for line, mod, names in imports_of(path):
+            for package in ("ampviz.record", "ampviz.run"):
+                targets = [mod or ""] + [f"{mod}.{n}" for n in names if mod == package]
+                private = [t for t in targets if t.startswith(package + "._")]
+                if private and not (me == package or me.startswith(package + ".")):
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {private[0]}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_record_and_run_never_import_up_the_pipeline_except_the_listed_edges():
+    offenders, used = [], set()
+    for package, above in ABOVE.items():
+        for path in (PACKAGE / package.split(".")[1]).rglob("*.py"):
+            me = module_name(path)
+            for line, mod, _ in imports_of(path):
+                hit = next((a for a in above if mod and (mod == a or mod.startswith(a + "."))), None)
+                if hit is None:
+                    continue
+                if (me, hit) in ALLOWED_UPWARD:
+                    used.add((me, hit))
+                else:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not offenders, "\n".join(offenders)
+    assert used == set(ALLOWED_UPWARD), f"listed edges that no longer exist: {set(ALLOWED_UPWARD) - used}"
+
+
 def test_readme_layout_lists_every_folder_and_core_module():
     readme = (ROOT / "README.md").read_text()
     layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
@@ -116,7 +164,8 @@ def test_readme_layout_lists_every_folder_and_core_module():
         if path.name.startswith("_") or rel.parts[0] == "lessons":
             continue
         assert path.stem in layout, f"README Layout does not mention {rel}"
-    for folder in ("lessons/", "plots/", "widgets/", "examples/", "integrations/", "tests/", "benchmarks/", "docs/"):
+    for folder in ("record/", "run/", "lessons/", "plots/", "widgets/", "examples/", "integrations/", "tests/",
+                   "benchmarks/", "docs/"):
         if (PACKAGE / folder).exists() or (ROOT / folder).exists():
             assert folder in layout, f"README Layout does not mention {folder}"
 

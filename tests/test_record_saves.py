@@ -86,7 +86,7 @@ def _prefix(run: ampviz.Run, n: int) -> ampviz.Run:
 
 def test_decimation_and_many_parts_rewrite_the_file_whole(tmp_path):
     from ampviz import histogram as H
-    from ampviz._runwrite import MAX_PARTS
+    from ampviz.run._write import MAX_PARTS
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     target = tmp_path / "run.npz"
@@ -210,8 +210,8 @@ def test_a_second_signal_during_the_save_still_leaves_the_run_on_disk(tmp_path, 
     setup = SIGNAL_IN_SAVE.format(
         signum=int(first_signal), first=handler or "_exit_on_term(signum, frame)",
         install=(f"signal.signal({int(first_signal)}, first)" if handler else
-                 "from ampviz._record_guard import _exit_on_term\n"
-                 "import ampviz._record_guard as guard\nguard._exit_on_term = first"))
+                 "from ampviz.record._signals import _exit_on_term\n"
+                 "import ampviz.record._signals as guard\nguard._exit_on_term = first"))
     done = run_loop(tmp_path, setup, signum=first_signal)
     assert "received while saving the run" in done.stderr, done.stderr[-2000:]
     run = ampviz.Run.load(tmp_path / "run.npz")
@@ -220,7 +220,7 @@ def test_a_second_signal_during_the_save_still_leaves_the_run_on_disk(tmp_path, 
 
 
 KILL_IN_APPEND = """
-import ampviz._runwrite as w
+import ampviz.run._write as w
 real, calls = w._write_directory, []
 def killed(out, entries):
     calls.append(1)

@@ -144,7 +144,7 @@ def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
 
     def boom(*a, **k):                                  # the members are written, then the disk fills
         raise OSError("disk full")
-    monkeypatch.setattr("ampviz._runwrite._write_directory", boom)
+    monkeypatch.setattr("ampviz.run._write._write_directory", boom)
     with pytest.raises(OSError, match="disk full"):
         make_run(rank=0, steps=3, scale_log2=(1, 1, 1)).save(path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.npz"]
@@ -202,7 +202,7 @@ def test_fate_in_a_domain_equals_the_fate_of_the_shifted_copy(fmt, domain):
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp8_e4m3fn", "fp8_e5m2"])
 def test_fate_rows_judges_each_row_at_its_own_scale_like_histogram_fate(fmt, rng):
-    from ampviz._fate_rows import fate_rows
+    from ampviz.run._fate_rows import fate_rows
     counts = rng.integers(0, 5, (300, H.NBINS))                       # every column, specials included
     scales = rng.integers(-140, 140, 300)
     got = fate_rows(counts, fmt, scales)

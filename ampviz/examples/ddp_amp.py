@@ -40,9 +40,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from .. import Recorder
+from .. import Recorder, RecordOptions
 from .._args import check_int
-from .._record_save import check_save_every
 from .data import digit_rows
 from .distributed import PeerFailure, init_from_env, is_collective_failure
 from .models import TransformerClassifier
@@ -93,7 +92,7 @@ class Config:
         if self.resume is not None and not os.path.isfile(self.resume):
             raise ValueError(f"resume: expected a state.pt written by {PROG} (--out DIR writes DIR/state.pt), "
                              f"got {self.resume!r}, which is not a file")
-        check_save_every(self.save_every, self.save_every_steps)
+        RecordOptions(save_every=self.save_every, save_every_steps=self.save_every_steps)   # their checks, now
 
 
 def splits(seed: int = 0, dev_fraction: float = 0.15):

@@ -3,35 +3,19 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
 
 from .._args import check_int
+from .._dist import dist_info
 from .._warnings import AmpvizWarning
 from ..export import LiveExport
-from ..record import Recorder
-
-_GIVEN = ("self", "model", "optimizer", "scaler", "path")     # filled in from what the framework holds
-# (the Recorder unwraps accelerate's AcceleratedOptimizer / AcceleratedScheduler and Lightning's LightningOptimizer)
-
+from ..record import Recorder, RecordOptions
 
 # accelerate (1.15) enables fp16 autocast and a GradScaler only off the CPU (Accelerator.__init__)
 FP16_ON_CPU = ("holds no GradScaler on this CPU: accelerate enables fp16 autocast and a GradScaler only off the "
                "CPU, so this run trains in fp32 (loss scale 1, no skipped steps); use bf16 on a CPU")
-
-
-def recorder_option_names() -> list[str]:
-    return [n for n in inspect.signature(Recorder.__init__).parameters if n not in _GIVEN]
-
-
-def check_recorder_options(options: dict, where: str) -> dict:
-    """Fail at construction, not at the first training step, on an option the Recorder does not take."""
-    unknown = sorted(set(options) - set(recorder_option_names()))
-    if unknown:
-        raise TypeError(f"{where}: unknown Recorder option(s) {unknown}; valid: {recorder_option_names()}")
-    return options
 
 
 class Session:
@@ -40,8 +24,15 @@ class Session:
     (hooks removed, run saved and exported) at the end."""
 
     def __init__(self, where: str, path, options: dict, tensorboard, wandb, export_every, domain: str):
-        self.where, self.path, self.options = where, path, check_recorder_options(options, where)
-        if options.get("local_weights"):
+        # the Recorder's options, checked now (not at the first training step); the path is the callback's own
+        # argument, the scheduler the trainer's unless the options name one
+        unknown = sorted(set(options) - set(_option_names()))
+        if unknown:
+            raise TypeError(f"{where}: unknown Recorder option(s) {unknown}; valid: {_option_names()}")
+        self.where, self.path = where, path
+        self.options = RecordOptions(path=path, **options)
+        self._own_scheduler = "scheduler" in options
+        if self.options.local_weights:
             raise ValueError(f"{where}: local_weights=True cannot be recorded from a callback: the trainer hands "
                              f"callbacks the model itself, not its DistributedDataParallel wrapper, whose backward "
                              f"is where local gradients are read. The default records the all-reduced gradients the "
@@ -62,11 +53,11 @@ class Session:
         ``compiled_by``: the setting that makes the framework run ``model`` under torch.compile through a
         wrapper the callback never sees (the Recorder's ``compiled_by``)."""
         self.close()                             # a second trainer.fit()/train() starts a new recording
-        world, rank = _dist_info()
-        options = {"scheduler": scheduler, **self.options}
+        world, rank = dist_info()
+        given = {} if self._own_scheduler else {"scheduler": scheduler}
         if compiled_by is not None:
-            options["compiled_by"] = compiled_by
-        self.recorder = Recorder(model, optimizer, scaler=scaler, path=self.path, **options)
+            given["compiled_by"] = compiled_by
+        self.recorder = Recorder(model, optimizer, scaler=scaler, options=self.options, **given)
         self.live = LiveExport(self.tensorboard, self.wandb, domain=self.domain, rank=rank, world=world)
         self._every = self.export_every or default_export_every
         self._loss, self._steps = None, 0
@@ -114,7 +105,6 @@ class Session:
             live.close()
 
 
-def _dist_info() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
+
+def _option_names() -> list[str]:
+    return [n for n in RecordOptions.names() if n != "path"]        # the callbacks take path themselves

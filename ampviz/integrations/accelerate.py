@@ -47,18 +47,19 @@ class Recorder(record.Recorder):
     ----------
     accelerator : the ``Accelerator`` that prepared ``model`` and ``optimizer``.
     model, optimizer : as returned by ``accelerator.prepare(...)``.
-    **options : every other ``ampviz.Recorder`` option (``path=``, ``weights=``, ``activations=``, ``every=``, ...).
+    options, **kw : every other ``ampviz.Recorder`` option (``path=``, ``weights=``, ``activations=``, ``every=``,
+        ...), as an ``ampviz.RecordOptions`` and/or keywords, as for ``ampviz.Recorder``.
     """
 
-    def __init__(self, accelerator, model, optimizer=None, **options):
+    def __init__(self, accelerator, model, optimizer=None, *, options: record.RecordOptions | None = None, **kw):
         if not hasattr(accelerator, "sync_gradients") or not hasattr(accelerator, "scaler"):
             raise TypeError(f"accelerator: expected an accelerate.Accelerator, got {type(accelerator).__name__}")
-        if "scaler" in options:
+        if "scaler" in kw:
             raise TypeError("scaler: taken from accelerator.scaler; do not pass it")
         if (accelerator.mixed_precision == "fp16" and accelerator.scaler is None
                 and accelerator.device.type == "cpu"):
             warnings.warn(f"Recorder: Accelerator(mixed_precision='fp16') {FP16_ON_CPU}", AmpvizWarning, stacklevel=2)
-        super().__init__(model, optimizer, scaler=accelerator.scaler, **options)
+        super().__init__(model, optimizer, scaler=accelerator.scaler, options=options, **kw)
         self.accelerator = accelerator
         self._loss_sum, self._losses = None, 0
 

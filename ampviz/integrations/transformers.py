@@ -76,7 +76,8 @@ class AmpvizCallback(TrainerCallback):
     wandb : True to export live to the active W&B run (``report_to="wandb"`` starts one), a W&B run, or False.
     export_every : optimizer steps between live exports (default: the Trainer's ``logging_steps``).
     domain : what the export writes: "recorded" (default), "unscaled" or "scaled".
-    **recorder_options : passed to ``ampviz.Recorder`` (``weights=``, ``activations=``, ``every=``, ...).
+    **recorder_options : ``ampviz.Recorder``'s options (``weights=``, ``every=``, ...), checked here into one
+        ``ampviz.RecordOptions`` that every recording of this callback uses.
     """
 
     def __init__(self, path=None, *, tensorboard=None, wandb=False, export_every=None, domain="recorded",

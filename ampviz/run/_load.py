@@ -20,10 +20,20 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _run_checks as checks
-from ._counting import NBINS
-from ._runfile import KINDS, META_BYTES, PER_HIST, PER_STEP, Budget, RunFileError, members, parse_meta, size_text
-from ._warnings import AmpvizWarning
+from .._counting import NBINS
+from .._warnings import AmpvizWarning
+from . import _checks as checks
+from ._file import (
+    DTYPES,
+    META_BYTES,
+    PER_HIST,
+    PER_STEP,
+    Budget,
+    RunFileError,
+    members,
+    parse_meta,
+    size_text,
+)
 from ._zipread import npy_member, open_archive
 
 __all__ = ["load"]
@@ -90,7 +100,7 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
             small[name] = _read_small(path, archive, parts[name], name, budget, (n,))
     heads = {name: _headers(path, archive, parts[name], name, budget, (h, t) + ((NBINS,) if name == "counts" else ()))
              for name in PER_HIST[1:] if name in parts}
-    zeros = {name: np.broadcast_to(np.zeros((), KINDS[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
+    zeros = {name: np.broadcast_to(np.zeros((), DTYPES[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
              for name in heads}
     try:
         light = Run(small["steps"], hist_steps=small["hist_steps"], meta=meta, **lists,
@@ -123,7 +133,7 @@ def _read_meta(path, archive, info, budget: Budget) -> dict:
 
 def _read_small(path, archive, infos, name: str, budget: Budget, shape: tuple) -> np.ndarray:
     """A per-step array (or steps / hist_steps), its parts joined; ``shape``: the total it must have."""
-    kinds, dtype, what = KINDS[name]
+    kinds, dtype, what = DTYPES[name]
     pieces = []
     expect = None if not shape and len(infos) == 1 else shape if len(infos) == 1 else (None,)
     for k, info in enumerate(infos):
@@ -144,7 +154,7 @@ def _part(name: str, k: int, infos) -> str:
 
 def _headers(path, archive, infos, name: str, budget: Budget, shape: tuple) -> list:
     """[(member, rows)] of a histogram array's parts, their headers checked against ``shape`` in total."""
-    kinds, _, what = KINDS[name]
+    kinds, _, what = DTYPES[name]
     out, rows = [], 0
     expect = shape if len(infos) == 1 else (None,) + shape[1:]
     for k, info in enumerate(infos):
@@ -187,7 +197,7 @@ def _second_pass(order: list, steps, hist_steps, budget: Budget, where) -> dict:
             out[name] = None
             continue
         shape = (R, Hc, T) + ((NBINS,) if name == "counts" else ())
-        dtype = np.dtype(KINDS[name][1])
+        dtype = np.dtype(DTYPES[name][1])
         nbytes = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
         budget.take(nbytes, where if R > 1 else order[0].path,
                     f"{name} ({' x '.join(map(str, shape))} {dtype.name})" if R > 1 else name)
@@ -209,7 +219,7 @@ def _second_pass(order: list, steps, hist_steps, budget: Budget, where) -> dict:
 
 def _inflate_rows(rank: _RankFile, name: str, dest: np.ndarray, wanted: np.ndarray, budget: Budget) -> None:
     """Rows ``wanted`` (positions in this rank's histogram steps) of array ``name`` into ``dest``, in pieces."""
-    kinds, dtype, what = KINDS[name]
+    kinds, dtype, what = DTYPES[name]
     rows = sum(n for _, n in rank.heads[name])
     slot = np.full(rows, -1, dtype=np.int64)           # row of the file -> row of dest (-1: not kept)
     slot[wanted] = np.arange(wanted.size)

@@ -8,9 +8,9 @@ tensor names/kinds/dtypes, recorder settings), the arrays in ``ARRAYS`` and, whe
 its first part only). A file in one piece says schema 1. Whole writes are atomic
 (``ampviz._files.atomic_write``: a temp file in the same directory, then a rename), so a process that
 dies mid-write leaves the previous file intact; a process that dies mid-append leaves the file as it
-stood before that append, plus a tail the reader leaves out (``ampviz._zipread``).
+stood before that append, plus a tail the reader leaves out (``_zipread``).
 
-Reads treat the file as untrusted (run files travel with bug reports): see ``ampviz._zipread`` (the
+Reads treat the file as untrusted (run files travel with bug reports): see ``_zipread`` (the
 archive) and ``ampviz._runload`` (the arrays, budgeted by :class:`Budget`). Every failure is a
 :class:`RunFileError` naming the file and the field::
 
@@ -27,8 +27,8 @@ import re
 
 import numpy as np
 
-from ._files import atomic_write
-from ._text import lone_surrogate
+from .._files import atomic_write
+from .._text import lone_surrogate
 
 SCHEMA_VERSION = 2               # the newest this ampviz reads and writes: 1 in one piece, 2 in parts
 SCHEMA_ONE_PIECE = 1
@@ -38,7 +38,7 @@ OPTIONAL_ARRAYS = ("grad_order", "scheduler_steps")    # written when recorded; 
 PER_STEP = ("steps", "loss", "loss_scale", "next_scale", "skipped", "scheduler_steps")   # one row per step
 PER_HIST = ("hist_steps", "counts", "grad_order")                                      # one row per histogram
 # what each entry may hold (numpy dtype kinds), the dtype it is loaded as, and the words for an error
-KINDS = {"steps": ("iu", np.int64, "integer step numbers"), "hist_steps": ("iu", np.int64, "integer step numbers"),
+DTYPES = {"steps": ("iu", np.int64, "integer step numbers"), "hist_steps": ("iu", np.int64, "integer step numbers"),
          "loss": ("fiu", np.float64, "real numbers"), "loss_scale": ("fiu", np.float64, "real numbers"),
          "next_scale": ("fiu", np.float64, "real numbers"), "skipped": ("b", np.bool_, "booleans"),
          "counts": ("iu", np.int64, "integer counts"), "grad_order": ("iu", np.int32, "integer positions"),
@@ -137,7 +137,7 @@ def members(path, archive) -> tuple:
             meta = info
             continue
         m = _PART.match(info.filename)
-        if m and m["name"] in KINDS:
+        if m and m["name"] in DTYPES:
             parts.setdefault(m["name"], {})[int(m["k"] or 0)] = info
     if meta is None:
         raise RunFileError(f"{path}: not an ampviz run (an .npz without ampviz metadata)")

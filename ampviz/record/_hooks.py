@@ -27,17 +27,36 @@ the graph and training is unchanged, and they set ``traced`` so the recorder can
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.compiler import is_compiling as _traced
 
-from ._record_targets import first_tensor, unwrap_optimizer
+from ._unwrap import unwrap_optimizer
 
 __all__ = ["Capture"]
 
 _UNSCALED = OptState.UNSCALED
 # _traced(): True while torch.compile traces the caller (bound once: the hooks call it on every forward)
+
+
+def first_tensor(output, grad: bool):
+    """The first floating-point tensor of a module's output (a tensor, or a tuple, list, dict or
+    ``ModelOutput`` of them, in order); with ``grad``, the first one that requires grad."""
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point() and (output.requires_grad or not grad):
+            return output
+        return None
+    if isinstance(output, Mapping):
+        output = output.values()
+    elif not isinstance(output, (tuple, list)):
+        return None
+    for o in output:
+        t = first_tensor(o, grad)
+        if t is not None:
+            return t
+    return None
 
 
 class Capture:

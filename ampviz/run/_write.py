@@ -5,7 +5,7 @@ the new rows of every array as new parts (``counts.3.npy`` ...) and a new ``meta
 end of the file, then a new central directory (listing the parts so far and the new metadata) and
 a new end record. Until that end record is complete the file's previous end record is its last
 complete one, so a process killed mid-append leaves the file as it was before the append, plus a
-tail the reader leaves out (``ampviz._zipread``). An append that fails (disk full) is cut back off.
+tail the reader leaves out (``_zipread``). An append that fails (disk full) is cut back off.
 The file is written whole again, atomically, when nothing was written yet, when the rows already
 written changed (a recorder's decimation dropped some), when the file on disk is not the one this
 writer left, and every ``MAX_PARTS`` parts, so the file's directory stays small::
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._files import atomic_write
-from ._runfile import SCHEMA_ONE_PIECE, SCHEMA_VERSION, meta_text, part_name
+from .._files import atomic_write
+from ._file import SCHEMA_ONE_PIECE, SCHEMA_VERSION, meta_text, part_name
 
 __all__ = ["write", "RunFileWriter"]
 

@@ -27,7 +27,7 @@ import zipfile
 
 import numpy as np
 
-from ._runfile import RunFileError, size_text
+from ._file import RunFileError, size_text
 
 __all__ = ["open_archive", "npy_member", "corrupt_file", "holds_run", "MAX_ENTRIES"]
 

@@ -16,17 +16,13 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from ._counting import NBINS
-from ._runfile import RunFileError
-from ._runfile import show as _show
-from ._warnings import AmpvizWarning
-from .replay import SETTING_RULES as SCALER_RULES
+from .._counting import NBINS
+from .._warnings import AmpvizWarning
+from ..replay import SETTING_RULES as SCALER_RULES
+from ._file import RunFileError
+from ._file import show as show_value
+from ._schema import DOMAINS, KINDS
 
-# what a counts row holds: a parameter's gradient (after all-reduce, unscaled), the gradient w.r.t. a
-# module's output (scaled), a parameter's local gradient before DDP's all-reduce (scaled), a module's
-# forward output (unscaled: the loss scale does not reach the forward pass)
-KINDS = ("weight", "activation", "weight_local", "output")
-DOMAINS = ("unscaled", "scaled")      # as the optimizer sees a gradient, or multiplied by the loss scale
 _DTYPES = {"steps": ("iu", "integers"), "hist_steps": ("iu", "integers"), "loss": ("fiu", "real numbers"),
            "loss_scale": ("fiu", "real numbers"), "next_scale": ("fiu", "real numbers"), "skipped": ("b", "booleans"),
            "counts": ("iu", "integer counts"), "grad_order": ("iu", "integers"), "scheduler_steps": ("iu", "integers")}
@@ -108,10 +104,10 @@ def _tensor_problems(run) -> list[str]:
     for name in ("tensor_names", "tensor_dtypes"):
         bad = [i for i, v in enumerate(getattr(run, name)) if not isinstance(v, str)]
         if bad:
-            problems.append(f"{name}[{bad[0]}]: expected a string, got {_show(getattr(run, name)[bad[0]])}")
+            problems.append(f"{name}[{bad[0]}]: expected a string, got {show_value(getattr(run, name)[bad[0]])}")
     bad = [i for i, k in enumerate(run.tensor_kinds) if not (isinstance(k, str) and k in KINDS)]
     if bad:
-        problems.append(f"tensor_kinds[{bad[0]}]: {_show(run.tensor_kinds[bad[0]])} is not a kind ampviz records "
+        problems.append(f"tensor_kinds[{bad[0]}]: {show_value(run.tensor_kinds[bad[0]])} is not a kind ampviz records "
                         f"(expected one of {', '.join(KINDS)})")
     return problems
 
@@ -123,30 +119,30 @@ def meta_problems(meta, n_ranks: int) -> list[str]:
     problems = []
     ranks = meta.get("ranks", list(range(n_ranks)))
     if not isinstance(ranks, (list, tuple)) or len(ranks) != n_ranks:
-        problems.append(f"ranks: expected a list of {n_ranks} rank numbers, got {_show(ranks)}")
+        problems.append(f"ranks: expected a list of {n_ranks} rank numbers, got {show_value(ranks)}")
     elif not all(is_int(r) and r >= 0 for r in ranks):
         bad = next(r for r in ranks if not (is_int(r) and r >= 0))
-        problems.append(f"rank: expected a non-negative integer, got {_show(bad)}")
+        problems.append(f"rank: expected a non-negative integer, got {show_value(bad)}")
     elif len(set(ranks)) != len(ranks):
-        problems.append(f"ranks: duplicate ranks {_show(list(ranks))}")
+        problems.append(f"ranks: duplicate ranks {show_value(list(ranks))}")
     for key, low in (("world_size", 1), ("every", 1), ("decimated", 0)):
         if key in meta and not (is_int(meta[key]) and meta[key] >= low):
-            problems.append(f"{key}: expected an integer >= {low}, got {_show(meta[key])}")
+            problems.append(f"{key}: expected an integer >= {low}, got {show_value(meta[key])}")
     domains = meta.get("domains", {})
     if not isinstance(domains, dict):
-        problems.append(f"domains: expected a dict of kind -> domain, got {_show(domains)}")
+        problems.append(f"domains: expected a dict of kind -> domain, got {show_value(domains)}")
     else:
         for kind, domain in domains.items():
             if kind not in KINDS or domain not in DOMAINS:
-                problems.append(f"domains: {_show(kind)}: {_show(domain)} is not one of {', '.join(DOMAINS)} for a "
-                                f"kind in {', '.join(KINDS)}")
+                problems.append(f"domains: {show_value(kind)}: {show_value(domain)} is not one of "
+                                f"{', '.join(DOMAINS)} for a kind in {', '.join(KINDS)}")
                 break
     problems += _scaler_problems(meta.get("scaler"))
     if meta.get("device") is not None and not isinstance(meta.get("device"), str):
-        problems.append(f"device: expected a string, got {_show(meta['device'])}")
+        problems.append(f"device: expected a string, got {show_value(meta['device'])}")
     demo = meta.get("demo")
     if demo is not None and not (isinstance(demo, dict) and _finite_number(demo.get("test_accuracy", 0.0))):
-        problems.append(f"demo: expected a dict with a numeric test_accuracy, got {_show(demo)}")
+        problems.append(f"demo: expected a dict with a numeric test_accuracy, got {show_value(demo)}")
     return problems
 
 
@@ -158,13 +154,13 @@ def _scaler_problems(scaler) -> list[str]:
     if scaler is None:
         return []
     if not isinstance(scaler, dict):
-        return [f"scaler: expected a dict of GradScaler settings or null, got {_show(scaler)}"]
+        return [f"scaler: expected a dict of GradScaler settings or null, got {show_value(scaler)}"]
     for key in ("init_scale", "growth_factor", "backoff_factor"):     # the ranges a replay of them accepts
         ok, valid = SCALER_RULES[key]
         if key in scaler and not (_finite_number(scaler[key]) and ok(scaler[key], None)):
-            return [f"scaler.{key}: expected {valid}, got {_show(scaler[key])}"]
+            return [f"scaler.{key}: expected {valid}, got {show_value(scaler[key])}"]
     if "growth_interval" in scaler and not (is_int(scaler["growth_interval"]) and scaler["growth_interval"] >= 1):
-        return [f"scaler.growth_interval: expected an integer >= 1, got {_show(scaler['growth_interval'])}"]
+        return [f"scaler.growth_interval: expected an integer >= 1, got {show_value(scaler['growth_interval'])}"]
     return []
 
 
@@ -194,7 +190,7 @@ def histogram_problems(run) -> list[str]:
         if low < 0:
             r, h, t, b = np.unravel_index(int(np.argmin(counts)), counts.shape)
             problems.append(f"counts: negative count {low} (rank index {r}, histogram step {run.hist_steps[h]}, "
-                            f"tensor {_show(run.tensor_names[t])}, bin {b})")
+                            f"tensor {show_value(run.tensor_names[t])}, bin {b})")
         elif counts.sum(dtype=np.float64) >= _COUNT_LIMIT:
             problems.append("counts: the counts add up beyond 2**62 (int64 sums would overflow); not real histograms")
     if run.grad_order is not None and run.grad_order.size:

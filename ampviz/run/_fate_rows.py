@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import histogram as H
-from .formats import get_format
+from .. import histogram as H
+from ..formats import get_format
 
 _ROWS_AT_ONCE = 1 << 16            # cumulative sums of this many rows at a time: ~130 MB of temporaries
 

@@ -52,7 +52,7 @@ when the histograms fill it, every other recorded step is dropped and ``every`` 
 
 Saving: with ``path``, the run reaches the disk while it is recorded, every ``save_every`` seconds
 (default 60) and/or every ``save_every_steps`` steps, at a ``rec.step()``: a save appends the steps
-recorded since the previous one (``ampviz._runwrite``), so it costs what is new, not the whole run,
+recorded since the previous one (``ampviz.run``'s appending writer), so it costs what is new, not the whole run,
 and a crash, a ``kill -9`` or a dead torchrun peer loses at most the last interval. A save is never
 cut short: a Ctrl-C or SIGTERM that arrives during one takes effect once the file is complete.
 """
@@ -66,28 +66,28 @@ import warnings
 import torch
 import torch.nn as nn
 
-from . import __version__
-from ._args import check_int
-from ._counting import make_counter
-from ._record_guard import SaveOnTerm, StepChecks, check_path, held_signals, model_changes, rank_file
-from ._record_hooks import Capture
-from ._record_save import Saver, check_save_every
-from ._record_store import StepStore
-from ._record_targets import (
+from .. import __version__
+from .._args import check_int
+from .._counting import make_counter
+from .._dist import dist_info
+from .._warnings import AmpvizWarning
+from ..run import KIND_DOMAIN, Run
+from ._checks import StepChecks, model_changes
+from ._hooks import Capture
+from ._paths import rank_file
+from ._save import Saver
+from ._select import (
     attention_in_place_of_out_proj,
-    compiled_modules,
     default_modules,
-    dist_info,
     named_modules,
     named_parameters,
     select,
     trainable_param,
-    unwrap_model,
-    unwrap_optimizer,
-    unwrap_scheduler,
 )
-from ._warnings import AmpvizWarning
-from .run import Run
+from ._signals import SaveOnTerm, held_signals
+from ._store import StepStore
+from ._unwrap import compiled_modules, unwrap_model, unwrap_optimizer
+from .options import RecordOptions
 
 __all__ = ["Recorder"]
 
@@ -136,32 +136,28 @@ class Recorder:
     compiled_by : where a framework runs ``model`` under torch.compile through a wrapper the Recorder never
         sees, the setting that does it (e.g. ``"TrainingArguments(torch_compile=True)"``): the rules above for
         compiled models then apply to the whole model, and the warning and errors name the setting.
+    options : an :class:`ampviz.RecordOptions` holding the options above (the keyword arguments given with it
+        change those); ``rec.options`` is the one in use, and the run's ``meta["options"]`` its JSON.
     """
 
-    def __init__(self, model, optimizer=None, scaler=None, *, weights=True, activations=True, outputs=False,
-                 local_weights=False, scheduler=None, every: int = 1, flush_every: int = 32,
-                 max_bytes: int = 256 << 20, path=None, save_every: float | None = 60.0,
-                 save_every_steps: int | None = None, enabled: bool = True, compiled_by: str | None = None):
+    def __init__(self, model, optimizer=None, scaler=None, *, options: RecordOptions | None = None, **kw):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        self.optimizer, self.scheduler = unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
+        self.optimizer = unwrap_optimizer(optimizer)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
-        for name, value in (("every", every), ("flush_every", flush_every), ("max_bytes", max_bytes)):
-            check_int(name, value, low=1)
-        self.enabled, self.path = bool(enabled), check_path(path)
-        self.save_every, self.save_every_steps = check_save_every(save_every, save_every_steps)
+        self.options = opts = RecordOptions.build(options, **kw)
+        self.scheduler, self.enabled, self.path = opts.scheduler, opts.enabled, opts.path
+        self.save_every, self.save_every_steps = opts.save_every, opts.save_every_steps
+        weights, activations, outputs, compiled_by = opts.weights, opts.activations, opts.outputs, opts.compiled_by
         self._given = model
-        if compiled_by is not None and not (isinstance(compiled_by, str) and compiled_by):
-            raise TypeError(f"compiled_by: expected the setting that compiles the model, as a non-empty str, or "
-                            f"None, got {compiled_by!r}")
         self.model, self._ddp, self._compiled = unwrap_model(model)
         self._compiled_by = compiled_by
         self._compiled = self._compiled or compiled_by is not None
-        if local_weights and self._ddp is None:
+        if opts.local_weights and self._ddp is None:
             raise ValueError("local_weights: True needs a DistributedDataParallel model (local and reduced "
                              "gradients only differ under DDP)")
-        self.every, self.flush_every, self.max_bytes = every, flush_every, max_bytes
+        self.every, self.flush_every, self.max_bytes = opts.every, opts.flush_every, opts.max_bytes
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._params = select(named_parameters(self.model), weights, "weights", default=trainable_param)
         frozen = [n for n, p in self._params if not p.requires_grad]
@@ -176,7 +172,7 @@ class Recorder:
         self._outputs = self._modules_for(outputs, "outputs")
         # a module added later would have been chosen: only for the default choice, outside torch.compile
         self._watch_added_modules = (activations is True or outputs is True) and not self._compiled_anywhere
-        self._local = bool(local_weights)
+        self._local = opts.local_weights
         watched = [n for n, _ in self._params]
         self.tensor_names = (watched + [n for n, _ in self._activations] + [f"{n} [output]" for n, _ in self._outputs]
                              + ([f"{n} [local]" for n in watched] if self._local else []))
@@ -437,8 +433,7 @@ class Recorder:
         return {"ampviz_version": __version__, "torch_version": torch.__version__, "device": str(self.device),
                 "world_size": self._world, "ranks": [self._rank], "every": self.every,
                 "decimated": self._store.decimations, "created": self._created,
-                "domains": {"weight": "unscaled", "activation": "scaled", "weight_local": "scaled",
-                            "output": "unscaled"},
+                "domains": dict(KIND_DOMAIN),
                 "scaler": None if sc is None else {
                     "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
                     "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
@@ -446,5 +441,6 @@ class Recorder:
                 # weight gradients of skipped steps as such only then
                 "unscaled_before_step": None if sc is None else self._capture.unscaled_before_step,
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
-                "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start}}
+                "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start},
+                "options": self.options.meta()}       # how it was recorded (every: as asked; "every" above: now)
 

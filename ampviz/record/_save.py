@@ -1,5 +1,5 @@
 """When and how a Recorder with a ``path`` saves: every ``save_every`` seconds and/or ``save_every_steps``
-steps while recording, and on close; each save appends what is new (``ampviz._runwrite``) while
+steps while recording, and on close; each save appends what is new (``ampviz.run.RunFileWriter``) while
 SIGINT and SIGTERM wait (``held_signals``)::
 
     saver = Saver(Path("runs/rank0.npz"), save_every=60.0, save_every_steps=None)
@@ -14,11 +14,11 @@ import time
 import warnings
 from pathlib import Path
 
-from ._args import check_int
-from ._files import clean_stale
-from ._record_guard import held_signals
-from ._runwrite import RunFileWriter
-from ._warnings import AmpvizWarning
+from .._args import check_int
+from .._files import clean_stale
+from .._warnings import AmpvizWarning
+from ..run import RunFileWriter
+from ._signals import held_signals
 
 __all__ = ["Saver", "check_save_every"]
 

@@ -33,14 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _run_checks as checks
-from . import _runfile, _runwrite
-from . import histogram as H
-from ._args import check_choice
+from .. import histogram as H
+from .._args import check_choice
+from .._warnings import AmpvizWarning
+from . import _checks as checks
+from . import _file, _write
 from ._fate_rows import fate_rows
-from ._run_checks import DOMAINS, KINDS
-from ._runfile import SCHEMA_VERSION, RunFileError
-from ._warnings import AmpvizWarning
+from ._file import SCHEMA_VERSION, RunFileError
+from ._schema import DOMAINS, KINDS, SCALE_FREE
 
 __all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS", "VIEWS", "KINDS"]
 
@@ -136,17 +136,18 @@ class Run:
         return self._log2_scales
 
     def stored_domain(self, tensor) -> str:
-        """The domain a tensor's counts are stored in: "unscaled" or "scaled"."""
+        """The domain a tensor's counts are stored in: "unscaled" or "scaled" (``meta["domains"]``, which the
+        Recorder writes from ``ampviz.run.KIND_DOMAIN``; "unscaled" in a run built without it)."""
         kind = self.tensor_kinds[self.tensor_index(tensor)]
         return self.meta.get("domains", {}).get(kind, "unscaled")
 
     def _shift_sign(self, t: int, domain: str) -> int:
         """0 if tensor index ``t`` is stored in ``domain``, else the sign of the shift into it.
 
-        Forward outputs (kind "output") never carry the loss scale: they are the same in both domains.
+        Kinds the loss scale never reaches (``SCALE_FREE``: forward outputs) are the same in both domains.
         """
         check_choice("domain", domain, VIEWS)
-        if domain == "recorded" or self.stored_domain(t) == domain or self.tensor_kinds[t] == "output":
+        if domain == "recorded" or self.stored_domain(t) == domain or self.tensor_kinds[t] in SCALE_FREE:
             return 0
         return -1 if domain == "unscaled" else 1
 
@@ -256,7 +257,7 @@ class Run:
         """Steps, skipped steps, scale range, worst underflow/overflow fractions (against ``format``) of the recorded
         values, and ``flushed_in_backward``: the tensors whose values fp16 already flushed inside the backward,
         stored as exact zeros, which no cast of the recorded values can count (see ``ampviz.doctor``)."""
-        from .doctor import flushed_in_backward  # lazily: ampviz.doctor imports this module
+        from ..doctor import flushed_in_backward  # lazily: the allowed run -> doctor edge
         fate = self.fate_in(format, "scaled")
         flushed, overflow = fate.fraction("flushed"), fate.fraction("overflow")     # (R, H, T)
         wu, wo = self._worst(flushed), self._worst(overflow)
@@ -305,13 +306,13 @@ class Run:
         path = Path(path)
         if len(self.ranks) == 1 and not path.is_dir():
             target = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
-            _runwrite.write(target, *self._rank_payload(0))
+            _write.write(target, *self._rank_payload(0))
             return [target]
         path.mkdir(parents=True, exist_ok=True)
         out = []
         for i, r in enumerate(self.ranks):
             out.append(path / f"rank{int(r)}.npz")         # ranks are validated integers: the file stays in path
-            _runwrite.write(out[-1], *self._rank_payload(i))
+            _write.write(out[-1], *self._rank_payload(i))
         return out
 
     @classmethod
@@ -327,7 +328,7 @@ class Run:
         save was cut off (the process was killed mid-save) loads as it was saved before that, with a
         warning.
         """
-        from ._runload import load
+        from ._load import load
         return load(path)
 
     @classmethod
@@ -358,7 +359,7 @@ class Run:
         meta = dict(self.meta, rank=self.ranks[i], tensor_names=self.tensor_names, tensor_kinds=self.tensor_kinds,
                     tensor_dtypes=self.tensor_dtypes)
         meta.pop("ranks", None)
-        arrays = {name: getattr(self, name) for name in _runfile.ARRAYS}
+        arrays = {name: getattr(self, name) for name in _file.ARRAYS}
         for name in _PER_RANK:
             arrays[name] = arrays[name][i]
         for name in _OPTIONAL:
@@ -380,5 +381,5 @@ class Run:
     def diagnose(self) -> dict:
         """The doctor's findings on this run, as plain data (dicts, lists, str, int, float, bool, None):
         what went wrong, the evidence (steps, tensors, values) and what to do. See :mod:`ampviz.doctor`."""
-        from .doctor import diagnose  # lazily: ampviz.doctor imports this module
+        from ..doctor import diagnose  # lazily, the one allowed run -> doctor edge (doctor imports Run)
         return diagnose(self)

@@ -22,8 +22,8 @@ import warnings
 import numpy as np
 import torch
 
-from ._counting import NBINS
-from ._warnings import AmpvizWarning
+from .._counting import NBINS
+from .._warnings import AmpvizWarning
 
 _MOVE_BYTES = 8 << 20        # decimation moves rows in blocks of at most this size (the only temporary copy)
 
