@@ -27,7 +27,8 @@ OK_SHARE = 1e-3
 CAVEAT = ("A replay is a counterfactual: it casts the gradients this run recorded. A run in the target "
           "precision computes different gradients (other rounding, other skipped steps), so this says what "
           "these values would lose, not how that training would go. fp8 recipes cast activations and weights "
-          "to e4m3 and activation gradients to e5m2; weight gradients stay bf16/fp32.")
+          "to e4m3; output gradients to e5m2 (Transformer Engine's HYBRID, torchao's tensorwise) or e4m3 "
+          "(block-scaled and row-wise recipes); weight gradients stay bf16/fp32.")
 
 _SHORT = {"fp16 (dynamic scaler)": "fp16 dyn", "fp16 (static scale)": "fp16 static",
           "fp8 e4m3fn (per-tensor amax)": "e4m3", "fp8 e5m2 (per-tensor amax)": "e5m2"}
