@@ -232,6 +232,8 @@ def test_layer_small_multiples_one_panel_per_tensor():
         assert title.startswith(f"<b>{name}</b>") and f"flushed {percent(fate.fraction('flushed')[i])}" in title
         shape = named(fig.layout.shapes, f"region:overflow:{name}")
         assert shape.x0 == region_edges("fp16", 10)["overflow"][0]
+    left = [fig.layout[f"yaxis{'' if i == 0 else i + 1}"] for i in (0, 2, 4)]      # the first column: 3 rows
+    assert [a.title.text for a in left] == ["values"] * 3 and not fig.layout.yaxis2.title.text
     with pytest.raises(ValueError, match="names: expected 5 names"):
         layer_histograms_figure(c, names[:3])
 

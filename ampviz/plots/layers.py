@@ -100,11 +100,13 @@ def layer_histograms_figure(counts, names, format="fp16", log2_scale=0, *, domai
             r, col = divmod(i, cols)
             fig.update_xaxes(showticklabels=True, title_text=f"|gradient| ({domain}, log2)", row=r + 1, col=col + 1)
     fig.update_yaxes(rangemode="tozero", nticks=4)
+    for r in range(rows):                # the leftmost panel of each row names the count
+        fig.update_yaxes(title_text="values", title_standoff=2, row=r + 1, col=1)
     fig.update_annotations(font_size=11)
     subtitle = (f"shading: the fate of each value × 2<sup>{s}</sup> cast to {fmt.name} (red flush to zero, orange "
                 f"subnormal, green normal, purple overflow); titles: shares of non-zero values")
     fig.update_layout(**base_layout(title, subtitle, height=height, bargap=0, inline_subtitle=True,
-                                    margin=dict(l=50, r=20, t=110, b=60)))
+                                    margin=dict(l=64, r=20, t=110, b=60)))
     return fig
 
 
