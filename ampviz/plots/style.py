@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 import re
 
-import numpy as np
-
 __all__ = ["OKABE_ITO", "REGIONS", "REGION_COLORS", "REGION_LABELS", "DATA_COLOR", "ZERO_COLOR",
            "log2_ticks", "short_number", "pow2_text", "base_layout", "swatch", "percent", "apply_layout",
            "title_text", "retitle"]
@@ -144,11 +142,3 @@ def apply_layout(fig, updates: dict) -> None:
         rest[name] = items
     fig.plotly_relayout(rest)
 
-
-def finite_range(values, pad: float = 0.0):
-    """(min, max) of the finite entries of ``values`` padded by ``pad``; None if there are none."""
-    a = np.asarray(values, dtype=float)
-    a = a[np.isfinite(a)]
-    if a.size == 0:
-        return None
-    return float(a.min()) - pad, float(a.max()) + pad

@@ -218,10 +218,6 @@ class Run:
         r = 0 if rank is None else self.rank_index(rank)
         return self.tensor_counts(tensor, domain, r)[self.hist_index(step)]
 
-    def step_max_magnitude(self, domain: str = "unscaled") -> np.ndarray:
-        """(R, H) upper bound of the largest gradient magnitude of each histogram step."""
-        return H.max_magnitude(np.stack([self.pooled_counts(domain, r) for r in range(len(self.ranks))]))
-
     def select(self, rank=None, tensors=None) -> Run:
         """A Run restricted to one rank and/or some tensors (names or indices)."""
         r = slice(None) if rank is None else [self.rank_index(rank)]
