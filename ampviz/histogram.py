@@ -38,7 +38,7 @@ from .formats import Format, get_format
 
 __all__ = [
     "NBINS", "ZERO", "BELOW", "ABOVE", "NAN", "K_MIN", "K_MAX", "column", "binade_exponents",
-    "lower_edges", "upper_edges", "histogram", "histograms", "Fate", "fate", "fate_table", "cast_counts",
+    "lower_edges", "upper_edges", "histogram", "histograms", "Fate", "fate", "fate_table", "fate_rows", "cast_counts",
     "max_magnitude", "shift", "bin_labels", "as_counts",
 ]
 
@@ -237,13 +237,54 @@ def fate_table(counts, format, log2_scales) -> dict[str, np.ndarray]:
     """:func:`fate` for many integer log2 scales at once: arrays of shape (len(log2_scales), ...)."""
     fmt = get_format(format)
     c = as_counts(counts)
-    scales = [_scale_log2(log2_scale=s) for s in log2_scales]
+    rows = c.reshape(-1, NBINS)
     out = {f: [] for f in ("zero", "flushed", "subnormal", "normal", "overflow", "nan")}
-    for s in scales:
-        f = fate(c, fmt, log2_scale=s)
+    for s in [_scale_log2(log2_scale=s) for s in log2_scales]:
+        fields = fate_rows(rows, fmt, s)
         for name in out:
-            out[name].append(getattr(f, name))
+            out[name].append(fields[name].reshape(c.shape[:-1]))
     return {name: np.stack(v) for name, v in out.items()}
+
+
+_ROWS_AT_ONCE = 1 << 16            # fate_rows: cumulative sums of this many rows at a time, ~130 MB of temporaries
+
+
+def fate_rows(counts: np.ndarray, format, log2_scales) -> dict:
+    """{field: (n,) int64} of :class:`Fate` for (n, NBINS) ``counts``, row i judged at ``log2_scales[i]``
+    (integers), in one pass: a format's regions are contiguous ranges of binades, so a row's counts per region
+    are differences of its cumulative sum at columns that move with the row's scale. Equal to
+    ``fate(row, format, log2_scale=s)`` for every row (tests/test_run.py checks it); :func:`fate_table` and
+    ``Run.fate_in`` use it."""
+    fmt = get_format(format)
+    c = np.asarray(counts)
+    s = np.broadcast_to(np.asarray(log2_scales, dtype=np.int64), c.shape[:1])
+    out = {f: np.empty(c.shape[0], dtype=np.int64) for f in Fate.__dataclass_fields__}
+    exponents = binade_exponents()                                      # (253,) ascending
+    for start in range(0, c.shape[0], _ROWS_AT_ONCE):
+        part, shift = c[start:start + _ROWS_AT_ONCE], s[start:start + _ROWS_AT_ONCE]
+        cum = np.cumsum(part[:, 2:ABOVE], axis=1)                      # (rows, 253) binades only
+        flushed = _upto(cum, exponents, fmt.log2_min_subnormal - 2, shift)
+        subnormal = _upto(cum, exponents, fmt.emin - 1, shift)
+        normal = _upto(cum, exponents, fmt.emax, shift)
+        total = cum[:, -1]
+        fields = {"zero": part[:, ZERO], "flushed": flushed, "subnormal": subnormal - flushed,
+                  "normal": normal - subnormal, "overflow": total - normal + part[:, ABOVE], "nan": part[:, NAN]}
+        # "below" holds (0, 2**-126]: judged by its upper edge after the shift, as histogram.fate does
+        below_top = -126 + shift
+        below = part[:, BELOW]
+        fields["flushed"] = fields["flushed"] + np.where(below_top <= fmt.log2_min_subnormal - 1, below, 0)
+        fields["subnormal"] = fields["subnormal"] + np.where(
+            (below_top > fmt.log2_min_subnormal - 1) & (below_top <= fmt.emin), below, 0)
+        fields["normal"] = fields["normal"] + np.where(below_top > fmt.emin, below, 0)
+        for f, v in fields.items():
+            out[f][start:start + part.shape[0]] = v
+    return out
+
+
+def _upto(cum: np.ndarray, exponents: np.ndarray, top: int, shift: np.ndarray) -> np.ndarray:
+    """(rows,) values in the binades whose exponent after each row's shift is <= ``top``."""
+    n = np.searchsorted(exponents, top - shift, side="right")
+    return np.where(n > 0, cum[np.arange(cum.shape[0]), np.maximum(n - 1, 0)], 0)
 
 
 def max_magnitude(counts) -> np.ndarray:

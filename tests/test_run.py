@@ -202,7 +202,7 @@ def test_fate_in_a_domain_equals_the_fate_of_the_shifted_copy(fmt, domain):
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp32", "fp8_e4m3fn", "fp8_e5m2"])
 def test_fate_rows_judges_each_row_at_its_own_scale_like_histogram_fate(fmt, rng):
-    from ampviz.run._fate_rows import fate_rows
+    from ampviz.histogram import fate_rows
     counts = rng.integers(0, 5, (300, H.NBINS))                       # every column, specials included
     scales = rng.integers(-140, 140, 300)
     got = fate_rows(counts, fmt, scales)

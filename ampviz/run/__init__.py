@@ -6,8 +6,8 @@
 
 ``run.py`` holds :class:`Run`; ``_schema`` the vocabulary (``KINDS``, ``DOMAINS``, and ``KIND_DOMAIN``: which
 kind is stored scaled or unscaled); the private modules the file format (``_file``), writing (``_write``),
-reading untrusted files within a memory budget (``_zipread``, ``_load``), the checks (``_checks``) and the
-per-row cast predictions (``_fate_rows``). The names below ``__all__`` are for ampviz's own modules (the
+reading untrusted files within a memory budget (``_zipread``, ``_load``) and the checks (``_checks``); per-row
+cast predictions are ``histogram.fate_rows``. The names below ``__all__`` are for ampviz's own modules (the
 recorder's saves, ``ampviz info``, the report), not a supported API.
 """
 

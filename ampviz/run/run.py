@@ -38,7 +38,6 @@ from .._args import check_choice
 from .._warnings import AmpvizWarning
 from . import _checks as checks
 from . import _file, _write
-from ._fate_rows import fate_rows
 from ._file import SCHEMA_VERSION, RunFileError
 from ._schema import DOMAINS, KINDS, SCALE_FREE
 
@@ -246,7 +245,7 @@ class Run:
         signs = np.array([self._shift_sign(t, domain) for t in range(T)], dtype=np.int64)       # (T,)
         log2s = self.log2_scales() if (signs != 0).any() else np.zeros((R, Hn), np.int64)      # (R, H)
         shifts = (log2s[:, :, None] * signs[None, None, :]).reshape(-1)                      # (R * H * T,)
-        fields = fate_rows(self.counts.reshape(-1, H.NBINS), format, shifts)
+        fields = H.fate_rows(self.counts.reshape(-1, H.NBINS), format, shifts)
         return H.Fate(**{f: v.reshape(R, Hn, T) for f, v in fields.items()})
 
     def summary(self, format="fp16") -> dict:
