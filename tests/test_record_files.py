@@ -25,7 +25,7 @@ def tiny(seed=0):
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def train(model, opt, rec, steps, seed=0):
+def train(model, opt, rec, steps, scheduler=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
@@ -33,6 +33,8 @@ def train(model, opt, rec, steps, seed=0):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         rec.step(loss)
 
 

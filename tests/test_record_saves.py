@@ -13,30 +13,12 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from test_record_files import tiny
+from test_record_files import train as steps  # the same 8-sample loop, scheduler optional
 
 import ampviz
 from ampviz._files import TMP_SUFFIX
 from ampviz._warnings import AmpvizWarning
-
-
-def tiny(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def steps(model, opt, rec, n, scheduler=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-        rec.step(loss)
 
 
 def same_run(a: ampviz.Run, b: ampviz.Run) -> None:
