@@ -58,6 +58,19 @@ def oracle(x: torch.Tensor) -> np.ndarray:
     return np.bincount(frexp_columns(values), minlength=NBINS)
 
 
+def assert_counts_every_dtype(counter, x):
+    """``x`` cast to each of FLOATS, one row each, counted with no host sync: each row equals the oracle."""
+    target = torch.zeros(len(FLOATS) * NBINS, dtype=torch.int64, device=DEVICE)
+    counter.target = target
+    with no_host_sync():
+        for row, dtype in enumerate(FLOATS):
+            counter.add(x.to(dtype).to(DEVICE), row)
+        counter.submit()
+    got = target.view(len(FLOATS), NBINS).cpu().numpy()
+    for row, dtype in enumerate(FLOATS):
+        np.testing.assert_array_equal(got[row], oracle(x.to(dtype)), err_msg=str(dtype))
+
+
 def test_histogram_equals_the_oracle_for_every_dtype():
     x = wide_values(100_000)
     for dtype in FLOATS + [torch.float64]:
@@ -71,16 +84,7 @@ def test_histogram_equals_the_oracle_for_every_dtype():
 def test_triton_kernel_equals_the_oracle(n):
     # programs=2: five blocks and a tail walk the grid-stride loop; masked lanes never counted
     x = wide_values(max(n, 1), seed=n)[:n]
-    counter = triton_counter.TritonCounter(DEVICE, programs=2)
-    target = torch.zeros(len(FLOATS) * NBINS, dtype=torch.int64, device=DEVICE)
-    counter.target = target
-    with no_host_sync():
-        for row, dtype in enumerate(FLOATS):
-            counter.add(x.to(dtype).to(DEVICE), row)
-        counter.submit()
-    got = target.view(len(FLOATS), NBINS).cpu().numpy()
-    for row, dtype in enumerate(FLOATS):
-        np.testing.assert_array_equal(got[row], oracle(x.to(dtype)), err_msg=str(dtype))
+    assert_counts_every_dtype(triton_counter.TritonCounter(DEVICE, programs=2), x)
 
 
 @needs_triton
@@ -107,16 +111,7 @@ def test_triton_counter_takes_what_the_binner_takes():
 
 def test_torch_path_equals_the_oracle():
     x = wide_values(50_000, seed=2)
-    binner = Binner(DEVICE)
-    target = torch.zeros(len(FLOATS) * NBINS, dtype=torch.int64, device=DEVICE)
-    binner.target = target
-    with no_host_sync():
-        for row, dtype in enumerate(FLOATS):
-            binner.add(x.to(dtype).to(DEVICE), row)
-        binner.submit()
-    got = target.view(len(FLOATS), NBINS).cpu().numpy()
-    for row, dtype in enumerate(FLOATS):
-        np.testing.assert_array_equal(got[row], oracle(x.to(dtype)), err_msg=str(dtype))
+    assert_counts_every_dtype(Binner(DEVICE), x)
 
 
 def _train(record: bool, steps: int, amp: str, **options):
