@@ -228,7 +228,8 @@ def _inflate_rows(rank: _RankFile, name: str, dest: np.ndarray, wanted: np.ndarr
         to = slot[first:first + n]
         with npy_member(rank.path, rank.archive, info, name, kinds, what) as member:
             whole = member.fortran and len(member.shape) > 1      # not row by row: whole, then picked
-            if n and not whole and member.dtype == dest.dtype and np.array_equal(to, np.arange(to[0], to[0] + n)):
+            if n and to[0] >= 0 and not whole and member.dtype == dest.dtype and np.array_equal(
+                    to, np.arange(to[0], to[0] + n)):      # every row kept, in order (a lone -1 is not)
                 member.read_into(dest[to[0]:to[0] + n])           # in place: the usual case
             else:
                 if whole:
