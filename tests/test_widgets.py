@@ -280,6 +280,10 @@ def test_dashboard_of_a_bf16_run_shows_its_values_not_the_whole_bf16_range():
     assert "smallest subnormal 2<sup>-133</sup>" in d.readout.value and "largest value 3.39e+38" in d.readout.value
     d.step_slider.value = 5                                     # the step still moves the histogram
     np.testing.assert_array_equal(d.counts, run.counts[0, 5].sum(axis=0))
+    # bf16's limits (2^-133, 2^-126, 2^128) lie off this axis: the legend names none of their lines
+    assert [t.meta for t in d.heatmap.data[1:] if t.showlegend is not False] == []
+    fp16 = RunDashboard(make_run(), "fp16")                     # fp16's lines cross its axis: all named
+    assert [t.meta for t in fp16.heatmap.data[1:] if t.showlegend is not False] == ["flush", "normal", "overflow"]
 
 
 def test_dashboard_keeps_fp16_limits_near_the_values_on_its_axes():

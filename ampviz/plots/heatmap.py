@@ -21,7 +21,7 @@ from .histogram import binade_positions, check_domain, region_edges
 from .style import REGION_COLORS, apply_layout, base_layout, log2_ticks, title_text
 
 __all__ = ["heatmap_figure", "heatmap_matrix", "heatmap_rows", "heatmap_z", "set_heatmap", "set_limit_lines",
-           "set_cursor", "LIMIT_LINES"]
+           "set_line_legend", "set_cursor", "LIMIT_LINES"]
 
 _COLS = np.arange(H.BELOW, H.ABOVE)
 # (trace name, region whose lower edge the line is, region whose colour it takes, dash, legend text)
@@ -172,6 +172,7 @@ def set_heatmap(fig, counts, steps, format, log2_scale, domain: str = "unscaled"
                        "title.text": title_text(title if title is not None else fig.layout.title.text.split("<br>")[0],
                                                 _subtitle(format, domain, window))})
     set_limit_lines(fig, steps, format, log2s)
+    set_line_legend(fig, format, log2s, (lo, hi))
 
 
 def set_limit_lines(fig, steps, format, log2_scale) -> None:
@@ -181,6 +182,20 @@ def set_limit_lines(fig, steps, format, log2_scale) -> None:
     edges0 = region_edges(format, 0)
     for trace, (_, region, *_) in zip(fig.data[1:1 + len(LIMIT_LINES)], LIMIT_LINES):
         trace.x, trace.y = steps.astype(np.float64), (edges0[region][0] - log2s).astype(np.float64)
+
+
+def set_line_legend(fig, format, log2_scale, y_range) -> None:
+    """Legend entries only for the limit lines that reach into ``y_range`` (lo, hi) of the y axis: a line
+    wholly outside it is not drawn, so its legend entry would name a line no one can find (in place; the
+    positions are computed, not read back from the figure, so this works inside ``batch_update``)."""
+    lo, hi = y_range
+    log2s = np.asarray(log2_scale, dtype=np.float64)
+    edges0 = region_edges(format, 0)
+    for trace, (_, region, *_) in zip(fig.data[1:1 + len(LIMIT_LINES)], LIMIT_LINES):
+        y = edges0[region][0] - log2s
+        shown = bool(np.any((y >= lo) & (y <= hi)))
+        if trace.showlegend is not shown:
+            trace.showlegend = shown
 
 
 def set_cursor(fig, step, updates: dict | None = None) -> None:

@@ -30,7 +30,15 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import get_format
-from ..plots.heatmap import heatmap_figure, heatmap_matrix, heatmap_rows, heatmap_z, set_cursor, set_heatmap
+from ..plots.heatmap import (
+    heatmap_figure,
+    heatmap_matrix,
+    heatmap_rows,
+    heatmap_z,
+    set_cursor,
+    set_heatmap,
+    set_line_legend,
+)
 from ..plots.histogram import (
     check_domain,
     histogram_figure,
@@ -156,7 +164,7 @@ class RunDashboard(W.VBox):
         heat = heatmap_figure(d["counts"], self.run.hist_steps, self.format, d["log2s"],
                               domain=self.domain_buttons.value, title=self._what())
         set_cursor(heat, self.step_slider.value)
-        _set_y_range(heat, d["x_range"])
+        _set_y_range(heat, d["x_range"], self.format, d["log2s"])
         hist = histogram_figure(self.counts, self.format, s, domain=self.domain_buttons.value,
                                 title=self._hist_title(), x_range=d["x_range"], height=400)
         self.fractions = _shares(H.fate(self.counts, self.format, log2_scale=s))
@@ -219,7 +227,7 @@ class RunDashboard(W.VBox):
         with self.heatmap.batch_update():
             set_heatmap(self.heatmap, d["counts"], self.run.hist_steps, self.format, d["log2s"],
                         self.domain_buttons.value, matrix=d["matrix"], rows=d["rows"], title=self._what())
-            _set_y_range(self.heatmap, d["x_range"])
+            _set_y_range(self.heatmap, d["x_range"], self.format, d["log2s"])
         with self.histogram.batch_update():
             set_x_range(self.histogram, d["x_range"])        # before the regions, which clip to it
         if change["owner"] is self.rank_dropdown and self.trace is not None:
@@ -255,11 +263,13 @@ class RunDashboard(W.VBox):
         return f"{fmt.name}'s " + " and ".join(off) if off else ""
 
 
-def _set_y_range(fig, y_range) -> None:
-    """The heatmap's log2 axis: the histogram's x range, so both panels show the same binades."""
+def _set_y_range(fig, y_range, format, log2s) -> None:
+    """The heatmap's log2 axis: the histogram's x range, so both panels show the same binades; the legend
+    names only the limit lines inside it."""
     lo, hi = y_range
     ticks, text = log2_ticks(lo, hi, 8)
     apply_layout(fig, {"yaxis.range": [lo, hi], "yaxis.tickvals": ticks, "yaxis.ticktext": text})
+    set_line_legend(fig, format, log2s, y_range)
 
 
 def _as_sent(matrix) -> tuple:
