@@ -244,18 +244,17 @@ def test_record_and_run_never_import_up_the_pipeline_except_the_listed_edges():
     assert used == set(ALLOWED_UPWARD), f"listed edges that no longer exist: {set(ALLOWED_UPWARD) - used}"
 
 
-def test_readme_layout_lists_every_folder_and_core_module():
-    readme = (ROOT / "README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_docs_layout_lists_every_folder_and_core_module():
+    layout = (ROOT / "docs" / "layout.md").read_text()
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
         if path.name.startswith("_") or rel.parts[0] == "lessons":
             continue
-        assert path.stem in layout, f"README Layout does not mention {rel}"
+        assert path.stem in layout, f"docs/layout.md does not mention {rel}"
     for folder in ("record/", "run/", "lessons/", "plots/", "widgets/", "examples/", "integrations/", "tests/",
                    "benchmarks/", "docs/"):
         if (PACKAGE / folder).exists() or (ROOT / folder).exists():
-            assert folder in layout, f"README Layout does not mention {folder}"
+            assert folder in layout, f"docs/layout.md does not mention {folder}"
 
 
 def test_the_package_tests_benchmarks_and_lessons_pass_ruff():
