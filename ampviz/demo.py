@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 from ._args import check_int, resolve_device
-from .examples.data import digits
-from .examples.models import sigmoid_mlp
+from .examples.fixtures import digits, sigmoid_mlp
 from .examples.trainer import train_classifier
 from .run import Run
 

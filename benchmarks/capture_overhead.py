@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 import ampviz
 from ampviz import histogram as H
-from ampviz.examples.models import CharTransformer
+from ampviz.lessons.models import CharTransformer
 
 VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "ampviz-outputs", "ampviz-all-out",
             "ampviz-saved", "tensorboard"]

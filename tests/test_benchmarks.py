@@ -1,4 +1,4 @@
-"""Every benchmark runs with its smallest arguments: the README's measured figures come from scripts that still work.
+"""Every benchmark runs with its smallest arguments: docs/measured.md's figures come from scripts that still work.
 
 Smoke tests only (the figures they print are not checked: speed is measured by running the scripts on an idle
 machine, never by timed unit tests)."""

@@ -205,7 +205,7 @@ def bf16_path(tmp_path_factory):
     import torch
     import torch.nn.functional as F
 
-    from ampviz.examples.models import MLP
+    from ampviz.lessons.models import MLP
     torch.manual_seed(0)
     model = MLP(8, 16, 2, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

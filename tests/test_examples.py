@@ -111,7 +111,7 @@ def test_a_rank_killed_at_a_random_step_leaves_its_peers_run_and_its_own_saves(t
 
 
 def test_ddp_basics_example_under_torchrun():
-    proc = torchrun("-m", "ampviz.examples.ddp_basics", timeout=200)
+    proc = torchrun("-m", "ampviz.lessons.ddp_ranks", timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
     seen = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"

@@ -49,14 +49,97 @@ def loaded_modules(code: str) -> list:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_no_core_file_imports_the_classroom():
-    offenders = []
+# the core never imports the classroom, except through ONE place: ampviz.examples.fixtures hands `ampviz demo` and the
+# runnable examples the classroom's data sets and models. Each allowed edge, with why:
+CLASSROOM_GATEWAY = "ampviz.examples.fixtures"
+ALLOWED_INTO_THE_CLASSROOM = {
+    (CLASSROOM_GATEWAY, "ampviz.lessons.data"): "digits, digit_rows and Split: the data `ampviz demo`, the Trainer "
+                                                "and ddp_amp train on",
+    (CLASSROOM_GATEWAY, "ampviz.lessons.models"): "sigmoid_mlp (the demo's network) and TransformerClassifier "
+                                                  "(ddp_amp's)",
+}
+
+
+def classroom_targets(mod, names):
+    """The classroom modules an import reaches: `import ampviz.lessons.x`, `from ampviz.lessons import x`, ..."""
+    if mod == "ampviz.lessons":
+        return [f"ampviz.lessons.{n}" for n in names] or [mod]
+    if (mod or "").startswith("ampviz.lessons."):
+        return [mod]
+    return ["ampviz.lessons"] if mod == "ampviz" and "lessons" in names else []
+
+
+def test_no_core_file_imports_the_classroom_but_through_the_one_listed_place():
+    offenders, used = [], set()
     for path in core_files():
+        me = module_name(path)
         for line, mod, names in imports_of(path):
-            targets = [mod] + [f"{mod}.{n}" for n in names]
-            if any(t == "ampviz.lessons" or t.startswith("ampviz.lessons.") for t in targets):
-                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
-    assert not offenders, "the core must not import ampviz.lessons:\n" + "\n".join(offenders)
+            for target in classroom_targets(mod, names):
+                if (me, target) in ALLOWED_INTO_THE_CLASSROOM:
+                    used.add((me, target))
+                else:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not offenders, ("the core must not import ampviz.lessons (only " + CLASSROOM_GATEWAY + " may, and only "
+                           "the modules listed in ALLOWED_INTO_THE_CLASSROOM):\n" + "\n".join(offenders))
+    assert used == set(ALLOWED_INTO_THE_CLASSROOM), f"listed edges that no longer exist: " \
+                                                    f"{set(ALLOWED_INTO_THE_CLASSROOM) - used}"
+
+
+def test_the_classroom_modules_the_core_reaches_import_nothing_else_of_the_classroom():
+    # what the gateway hands on must not pull plotly, widgets or the other lessons into `ampviz demo` or ddp_amp
+    for _, target in ALLOWED_INTO_THE_CLASSROOM:
+        path = PACKAGE / "lessons" / (target.rsplit(".", 1)[1] + ".py")
+        for line, mod, names in imports_of(path):
+            assert not classroom_targets(mod, names), f"{path.relative_to(ROOT)}:{line} imports {mod}"
+            assert not (mod or "").startswith(("ampviz.plots", "ampviz.widgets")), f"{path.name}:{line} imports {mod}"
+
+
+# examples/ holds runnable programs (ddp_amp, trainer, evaluation) and what they need (process_group, fixtures).
+# What it may import from ampviz, and who in the core may import it, each with why:
+EXAMPLES_MAY_IMPORT = {
+    "ampviz": "the public names (Recorder, RecordOptions), as a user's script would",
+    "ampviz._args": "the argument checks every module shares",
+    "ampviz.record": "the Trainer records with the Recorder",
+    "ampviz.run": "the Trainer returns a Run",
+    "ampviz.examples": "its own modules",
+    "ampviz.lessons.data": "through " + CLASSROOM_GATEWAY + " only (checked above)",
+    "ampviz.lessons.models": "through " + CLASSROOM_GATEWAY + " only (checked above)",
+}
+MAY_IMPORT_EXAMPLES = {        # outside ampviz/examples/ and the classroom
+    "ampviz.demo": "`ampviz demo` trains with the examples' train_classifier on the fixtures",
+}
+
+
+def test_examples_import_only_the_listed_parts_and_only_demo_imports_them():
+    offenders, importers = [], set()
+    for path in (PACKAGE / "examples").rglob("*.py"):
+        for line, mod, names in imports_of(path):
+            if not mod or mod.split(".")[0] != "ampviz":
+                continue
+            if mod in ("ampviz", "ampviz.lessons"):           # `from ampviz import plots` imports a module
+                is_module = [n for n in names if (ROOT / mod.replace(".", "/") / n).is_dir()
+                             or (ROOT / mod.replace(".", "/") / f"{n}.py").is_file()]
+                targets = [f"{mod}.{n}" for n in is_module] + ([mod] if len(is_module) < len(names) else [])
+            else:
+                targets = [mod]
+            for target in targets:
+                if not any(target == a or target.startswith(a + ".") for a in EXAMPLES_MAY_IMPORT if a != "ampviz") \
+                        and target != "ampviz":
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    for path in core_files():
+        me = module_name(path)
+        if me == "ampviz.examples" or me.startswith("ampviz.examples."):
+            continue
+        for line, mod, names in imports_of(path):
+            targets = [mod or ""] + [f"{mod}.{n}" for n in names if mod == "ampviz"]
+            if any(t == "ampviz.examples" or t.startswith("ampviz.examples.") for t in targets):
+                if me in MAY_IMPORT_EXAMPLES:
+                    importers.add(me)
+                else:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not offenders, "\n".join(offenders)
+    assert importers == set(MAY_IMPORT_EXAMPLES), f"listed importers that no longer import ampviz.examples: " \
+                                                  f"{set(MAY_IMPORT_EXAMPLES) - importers}"
 
 
 def test_the_classroom_is_one_package_of_topic_modules_that_name_their_lessons():
@@ -72,11 +155,16 @@ def test_the_classroom_is_one_package_of_topic_modules_that_name_their_lessons()
 
 
 @pytest.mark.parametrize("code", ["import ampviz", "import ampviz.plots", "import ampviz.widgets",
-                                  "import ampviz.report, ampviz.cli, ampviz.demo, ampviz.gradient_trace",
-                                  "import ampviz.examples.ddp_amp, ampviz.examples.ddp_basics"])
+                                  "import ampviz.report, ampviz.cli, ampviz.gradient_trace, ampviz.integrations"])
 def test_importing_the_core_loads_nothing_of_the_classroom(code):
     loaded = loaded_modules(code)
     assert not [m for m in loaded if m.startswith("ampviz.lessons")], loaded
+
+
+@pytest.mark.parametrize("code", ["import ampviz.demo", "import ampviz.examples.ddp_amp, ampviz.examples.trainer"])
+def test_the_demo_and_the_examples_load_of_the_classroom_only_what_the_gateway_hands_on(code):
+    loaded = {m for m in loaded_modules(code) if m.startswith("ampviz.lessons")}
+    assert loaded == {"ampviz.lessons"} | {target for _, target in ALLOWED_INTO_THE_CLASSROOM}, loaded
 
 
 def test_import_ampviz_stays_light():
@@ -156,18 +244,17 @@ def test_record_and_run_never_import_up_the_pipeline_except_the_listed_edges():
     assert used == set(ALLOWED_UPWARD), f"listed edges that no longer exist: {set(ALLOWED_UPWARD) - used}"
 
 
-def test_readme_layout_lists_every_folder_and_core_module():
-    readme = (ROOT / "README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_docs_layout_lists_every_folder_and_core_module():
+    layout = (ROOT / "docs" / "layout.md").read_text()
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
         if path.name.startswith("_") or rel.parts[0] == "lessons":
             continue
-        assert path.stem in layout, f"README Layout does not mention {rel}"
+        assert path.stem in layout, f"docs/layout.md does not mention {rel}"
     for folder in ("record/", "run/", "lessons/", "plots/", "widgets/", "examples/", "integrations/", "tests/",
                    "benchmarks/", "docs/"):
         if (PACKAGE / folder).exists() or (ROOT / folder).exists():
-            assert folder in layout, f"README Layout does not mention {folder}"
+            assert folder in layout, f"docs/layout.md does not mention {folder}"
 
 
 def test_the_package_tests_benchmarks_and_lessons_pass_ruff():

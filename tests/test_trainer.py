@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ampviz.examples.data import digits
-from ampviz.examples.models import relu_mlp, sigmoid_mlp
 from ampviz.examples.trainer import train_classifier
+from ampviz.lessons.data import digits
+from ampviz.lessons.models import relu_mlp, sigmoid_mlp
 from ampviz.lessons.underflow import static_scaler
 
 
@@ -77,7 +77,7 @@ def test_no_record_and_bad_arguments(data):
 
 
 def test_regression_split_trains_with_its_own_loss_and_reports_no_accuracy():
-    from ampviz.examples.data import diabetes
+    from ampviz.lessons.data import diabetes
     torch.manual_seed(0)
     model = torch.nn.Linear(10, 1)
     res = train_classifier(model, diabetes(), steps=5, batch_size=16, lr=1e-1,
@@ -86,9 +86,9 @@ def test_regression_split_trains_with_its_own_loss_and_reports_no_accuracy():
 
 
 def test_sharded_evaluation_on_two_gloo_ranks_equals_the_single_process_evaluation():
-    from ampviz.examples import ddp_basics
-    from ampviz.examples.distributed import launch
-    ranks = launch(ddp_basics.sharded_evaluation, 2, args=(359,), timeout=150)
+    from ampviz.lessons import ddp_ranks
+    from ampviz.lessons.launch import launch
+    ranks = launch(ddp_ranks.sharded_evaluation, 2, args=(359,), timeout=150)
     assert [r["per_rank"] for r in ranks] == [180, 180]             # 359 padded to 360: one example twice
     loss0, acc0 = ranks[0]["rank0"]                                  # rank 0 alone, the whole split
     for r in ranks:

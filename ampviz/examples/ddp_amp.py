@@ -6,7 +6,7 @@ Run it with torchrun (gloo on the CPU; NCCL when every rank has a GPU)::
     ampviz info runs/ddp
     ampviz report runs/ddp -o runs/ddp/report.html
 
-A small transformer classifies the 8x8 digits read as 8 tokens (``ampviz.examples.data.digit_rows``). Each
+A small transformer classifies the 8x8 digits read as 8 tokens (``ampviz.lessons.data.digit_rows``). Each
 rank trains on its ``DistributedSampler`` share, accumulates ``--accum`` micro-batches with
 ``no_sync()`` on all but the last, clips the unscaled gradients (``--max-grad-norm``), steps through a
 ``GradScaler`` and a warm-up schedule that skips the steps the scaler skipped (``--warmup``), and records its
@@ -21,7 +21,7 @@ error instead of waiting forever. Each rank's recording reaches its file while i
 SIGTERM (torchrun's way of stopping the survivors of a failed rank): a rank killed outright
 (``kill -9``, the OOM killer) keeps all but its last interval. Each rank says what its file holds.
 ``--fail-rank R --fail-step S [--fail-mode raise|hang|kill]`` makes rank R fail on purpose to show it.
-From Python (a notebook), ``ampviz.examples.distributed.launch(train_worker, 2, args=(Config(...),))``.
+From Python (a notebook), ``ampviz.lessons.launch.launch(train_worker, 2, args=(Config(...),))``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 
 from .. import Recorder, RecordOptions
 from .._args import check_int
-from .data import digit_rows
-from .distributed import PeerFailure, init_from_env, is_collective_failure
-from .models import TransformerClassifier
+from .fixtures import TransformerClassifier, digit_rows
+from .process_group import PeerFailure, init_from_env, is_collective_failure
 from .trainer import Trainer, linear_warmup, load_checkpoint
 
 __all__ = ["Config", "build", "train_worker", "main"]
@@ -106,13 +105,13 @@ def splits(seed: int = 0, dev_fraction: float = 0.15):
 
 
 def train_worker(config: Config) -> dict:
-    """Train and record one rank (call it under torchrun, or via ``ampviz.examples.distributed.launch``).
+    """Train and record one rank (call it under torchrun, or via ``ampviz.lessons.launch.launch``).
 
     Returns a summary: rank, world size, device, per-step loss history, dev metrics and the test
     report (rank 0), the test accuracy (rank 0), and a checksum of the final parameters.
 
     A collective that fails or times out (while joining, in DDP's constructor, or in training)
-    raises :class:`ampviz.examples.distributed.PeerFailure` with a message naming the rank and the timeout.
+    raises :class:`ampviz.examples.process_group.PeerFailure` with a message naming the rank and the timeout.
     """
     rank = int(os.environ.get("RANK", "0"))
     recorders = []                                 # _train's recorder, to say what its file holds

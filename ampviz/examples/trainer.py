@@ -50,8 +50,8 @@ from tqdm.auto import tqdm
 from .._args import check_int
 from ..record import Recorder
 from ..run import Run
-from .data import Split
 from .evaluation import Evaluation
+from .fixtures import Split
 
 __all__ = ["Trainer", "load_checkpoint", "linear_warmup", "TrainResult", "train_classifier", "accuracy"]
 
@@ -283,7 +283,7 @@ def train_classifier(model: torch.nn.Module, data: Split, *, steps: int, batch_s
     Parameters
     ----------
     model : the model, already on its device (the data is moved there).
-    data : an :class:`ampviz.examples.data.Split`.
+    data : an :class:`ampviz.lessons.data.Split`.
     steps, batch_size, lr : optimizer steps, batch size, Adam learning rate.
     amp_dtype : None (fp32), ``torch.float16`` or ``torch.bfloat16`` for the autocast region.
     scaler : a ``torch.amp.GradScaler``; None means ``GradScaler(enabled=False)``, i.e. no scaling

@@ -2,7 +2,9 @@
 
 Each module holds its topic's computation, figure and widget together, and names the lessons that
 use it. The classroom imports the practitioner core (``ampviz``, ``ampviz.plots``, ``ampviz.widgets``,
-``ampviz.examples``); the core never imports the classroom. Install it with ``pip install "ampviz[lessons]"``.
+``ampviz.examples``); the core never imports the classroom, except through ``ampviz.examples.fixtures``, the one
+place ``ampviz demo`` and the runnable examples take the classroom's data sets and models from
+(``tests/test_layout.py`` checks both). Install it with ``pip install "ampviz[lessons]"``.
 
 ==================  =============================================================  ==========
 module              topic                                                          lessons
@@ -27,5 +29,9 @@ fp8_scaling         fp8 casts per tensor / per row, judged by the GEMMs they fee
 clipping            clipping before or after unscale_; ClipOrderExplorer           09
 sampler             what DistributedSampler hands each rank; SamplerExplorer       10, 11
 exercises           predict-first checks for every lesson's exercises              01-13
+data                small data sets that ship with scikit-learn and Python         01-13
+models              small MLPs and transformers                                    02-12
+launch              ranks run from a notebook (Workers, launch), as torchrun       10-11b
+ddp_ranks           lesson 10's rank functions (process-group basics)              10-11b
 ==================  =============================================================  ==========
 """

@@ -232,8 +232,8 @@ def op_table(rows: list[dict], title: str | None = None, note: str | None = None
 
 
 def _mlp_case(device):
-    from ..examples.data import digits
-    from ..examples.models import MLP
+    from .data import digits
+    from .models import MLP
     data = digits(seed=0)
     torch.manual_seed(0)
     model = MLP(64, 64, depth=2, d_out=10).to(device)
@@ -241,8 +241,8 @@ def _mlp_case(device):
 
 
 def _transformer_case(device):
-    from ..examples.data import digit_rows
-    from ..examples.models import TransformerClassifier
+    from .data import digit_rows
+    from .models import TransformerClassifier
     data = digit_rows(seed=0)
     torch.manual_seed(0)
     model = TransformerClassifier(3 ** 8, 10, d_model=32, heads=2, layers=1, max_len=8).to(device)

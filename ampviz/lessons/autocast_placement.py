@@ -7,7 +7,7 @@ autocast; ``inside="backward"`` puts the backward in the block too, ``inside="st
 matrix multiplies ran in each dtype, traced with :class:`~ampviz.lessons.autocast_ops.OpLog`::
 
     >>> import torch
-    >>> from ampviz.examples.models import MLP
+    >>> from ampviz.lessons.models import MLP
     >>> from ampviz.lessons.autocast_placement import placement_step
     >>> _ = torch.manual_seed(0)
     >>> model, x, y = MLP(8, 16, 1, 3), torch.randn(4, 8), torch.randint(0, 3, (4,))

@@ -9,7 +9,7 @@ wire do not halve unless a communication hook compresses the buckets (for exampl
     >>> import torch
     >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     >>> from ampviz.lessons.comm import ddp_allreduce_bytes
-    >>> from ampviz.examples.models import MLP
+    >>> from ampviz.lessons.models import MLP
     >>> model, x, y = MLP(64, 128, 2, 10), torch.randn(32, 64), torch.randint(0, 10, (32,))
     >>> loss_fn = torch.nn.functional.cross_entropy
     >>> plain = ddp_allreduce_bytes(model, x, y, loss_fn, autocast_dtype=torch.bfloat16)

@@ -1,11 +1,11 @@
 """Rank functions for the DDP lessons: the article launcher (``mp.spawn`` + ``tcp://``), the default timeout,
 DDP's gradient buckets and when a forward through the wrapper is a collective.
 
-Run them on two ranks from a notebook (``ampviz.examples.distributed.Workers``), except
+Run them on two ranks from a notebook (``ampviz.lessons.launch.Workers``), except
 :func:`spawned_rank`, which ``torch.multiprocessing.spawn`` starts itself::
 
     import torch.multiprocessing as mp
-    from ampviz.examples.distributed import Workers, free_port
+    from ampviz.lessons.launch import Workers, free_port
     mp.spawn(spawned_rank, args=(2, free_port(), "out"), nprocs=2)     # out/rank0.json, out/rank1.json
     with Workers(2) as workers:
         events = workers.run(bucket_events)                             # all-reduces during backward
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..examples.distributed import init_from_env
+from ..examples.process_group import init_from_env
 
 __all__ = ["spawned_rank", "group_timeout", "bucket_events", "lone_forward"]
 

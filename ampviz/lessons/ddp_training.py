@@ -3,7 +3,7 @@ mistake, with the GradScaler's state restored on one rank only).
 
 Run it on two ranks from a notebook::
 
-    from ampviz.examples.distributed import Workers
+    from ampviz.lessons.launch import Workers
     from ampviz.examples.ddp_amp import Config
     with Workers(2) as workers:
         resumed = workers.run(resume_variants, Config(steps=40, progress=False), 20, "out")
@@ -18,7 +18,7 @@ import os
 import torch
 
 from ..examples.ddp_amp import Config, build
-from ..examples.distributed import init_from_env
+from ..examples.process_group import init_from_env
 
 __all__ = ["resume_variants"]
 

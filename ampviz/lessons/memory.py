@@ -6,7 +6,7 @@ storage once, however many ops save it), so fp32 and autocast can be compared ho
 
     >>> import torch
     >>> from ampviz.lessons.memory import measure_memory
-    >>> from ampviz.examples.models import MLP
+    >>> from ampviz.lessons.models import MLP
     >>> model = MLP(64, 256, depth=3, d_out=10)
     >>> x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
     >>> fp32 = measure_memory(model, x, y, torch.nn.functional.cross_entropy)
@@ -33,9 +33,9 @@ import ipywidgets as W
 import plotly.graph_objects as go
 import torch
 
-from ..examples.data import default_device, digits
-from ..examples.models import MLP
 from ..plots.style import OKABE_ITO, base_layout, title_text
+from .data import default_device, digits
+from .models import MLP
 
 __all__ = ["SavedTensorLog", "MemoryBreakdown", "measure_memory", "tensor_bytes", "CATEGORIES", "memory_figure",
            "set_memory", "CATEGORY_COLORS", "CATEGORY_LABELS", "MIB", "MemoryExplorer", "WIDTHS", "DEPTHS",
@@ -303,7 +303,7 @@ class MemoryExplorer(W.VBox):
     ----------
     inputs, targets : a classification data set (default: scikit-learn's digits, training split);
         a batch is its first ``batch`` rows (``batch`` may not exceed the number of rows).
-    device : where to measure (default ``ampviz.examples.data.default_device()``).
+    device : where to measure (default ``ampviz.lessons.data.default_device()``).
     autocast_dtype : low-precision dtype for autocast (default: autocast's default on the device,
         ``torch.get_autocast_dtype``: bfloat16 on CPU, float16 on CUDA).
     width, depth, batch : initial slider values.

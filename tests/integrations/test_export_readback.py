@@ -99,6 +99,17 @@ def test_bf16_gradients_beyond_the_fp16_range_survive_the_export(tmp_path):
     assert_tensorboard_holds(read_tensorboard(tmp_path / "tb"), run)
 
 
+def test_torch_add_histogram_casts_bf16_to_fp16_first():
+    # torch 2.13: SummaryWriter.add_histogram (torch.utils.tensorboard.summary.histogram) casts a bf16 tensor to fp16
+    # before binning, so a bf16 gradient beyond fp16's 65504 turns to inf and no summary can be made of it; the
+    # export above writes ampviz's own bins instead (docs/integrations.md cites this test)
+    from torch.utils.tensorboard.summary import histogram
+    beyond = torch.tensor([1.0, 2.0 ** 20], dtype=torch.bfloat16)
+    assert histogram("g", beyond.float(), bins=4).value[0].histo.max == 2.0 ** 20
+    with pytest.raises(ValueError, match="not finite"):
+        histogram("g", beyond, bins=4)
+
+
 def test_several_ranks_get_one_directory_each(tmp_path):
     runs = [record(seed=0, steps=4), record(seed=1, steps=4)]
     runs[1] = dataclasses.replace(runs[1], meta={**runs[1].meta, "ranks": [1]})

@@ -146,6 +146,8 @@ def test_a_fused_optimizers_gradients_are_recorded_unscaled_under_a_grad_scaler(
 
 
 def test_16_mixed_on_the_cpu_is_bf16_unless_the_plugin_is_given():
+    # Lightning 2.6: precision="16-mixed" on a CPU becomes "bf16-mixed", without a GradScaler; the plugin
+    # MixedPrecision("16-mixed", "cpu") keeps fp16 with one (PRECISIONS above; docs/integrations.md cites this test)
     with pytest.warns(UserWarning, match="bf16-mixed"):
         trainer = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)
     assert trainer.precision_plugin.precision == "bf16-mixed" and trainer.precision_plugin.scaler is None

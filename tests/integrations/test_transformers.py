@@ -112,6 +112,7 @@ def test_records_the_trainer_with_accumulation_against_an_oracle(tmp_path):
     assert run.tensor_dtypes[run.tensor_index("classifier")] == "torch.bfloat16"    # bf16 autocast on the CPU
     # transformers 5.24 divides by the accumulation steps only for models without loss kwargs; BERT's
     # classifier takes **kwargs but ignores num_items_in_batch, so its step loss is the micro-batches' sum
+    # (docs/integrations.md cites this test: the README BERT's losses are near 2 ln 3)
     assert trainer.model_accepts_loss_kwargs
     np.testing.assert_allclose(run.loss[0], [sum(losses) for losses in oracle.model_losses], rtol=1e-5)
     per_step = run.counts.sum(axis=-1)[0, :, run.tensor_index("classifier")]
@@ -135,13 +136,16 @@ def test_fp16_with_the_trainers_grad_scaler_records_scale_and_skips(tmp_path):
     assert run.tensor_dtypes[act] == "torch.float16"
     assert run.counts[0, skipped][:, act, H.ABOVE].sum() > 0                 # the overflow that caused the skips
     # transformers 5.24's default optimizer is fused AdamW: its step runs on skipped steps too, so
-    # accelerate's step_was_skipped (the Trainer's optimizer_step_was_skipped) never says so
+    # accelerate's step_was_skipped (the Trainer's optimizer_step_was_skipped) never says so, and the LR
+    # scheduler steps on skipped steps (docs/integrations.md cites this test)
     assert trainer.args.optim == "adamw_torch_fused" and not any(oracle.accelerate_skipped)
     assert run.scheduler_steps[0].tolist() == list(range(1, 7))             # it stepped on every step, skipped too
     assert "scheduler_on_skipped" in [f["check"] for f in ampviz.doctor.diagnose(run)["findings"]]
 
 
 def test_fp16_on_a_cpu_trains_in_fp32_and_the_callback_says_so(tmp_path):
+    # transformers 5.24 with accelerate 1.15: on a CPU, fp16=True trains in fp32, without autocast or GradScaler
+    # (docs/integrations.md cites this test)
     callback = AmpvizCallback()
     with pytest.warns(ampviz.AmpvizWarning, match="fp32"):
         trainer, _ = train(tmp_path, [callback], fp16=True, max_steps=2)
@@ -233,7 +237,8 @@ def test_real_fp16_on_a_gpu(tmp_path):
 def test_torch_compile_true_adds_no_graph_break_and_changes_nothing(tmp_path):
     # accelerate compiles a wrapper the callback never sees: hooks on the model's modules would run inside the
     # compiled graph (32 graph breaks on this BERT before the callback knew), so activation capture is off.
-    # full_determinism: on a CPU inductor compiles the embeddings' backward to atomic adds from two threads, whose
+    # full_determinism: on a CPU inductor (torch 2.13) compiles the embeddings' backward to atomic adds from two
+    # threads (TORCH_LOGS=output_code shows 3 atomic_add_vec kernels for this BERT), whose
     # order follows thread timing, so two runs WITHOUT ampviz can end with different weights (CI saw it once, and a
     # callback that only spins 5 ms per step does it too); deterministic algorithms make the compiled run repeatable
     def compiled(callbacks):

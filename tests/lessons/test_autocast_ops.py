@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ampviz.examples.models import MLP
 from ampviz.lessons.autocast_ops import OpLog, log_ops, log_training_step, op_table
+from ampviz.lessons.models import MLP
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-from ampviz.examples.data import digits
-from ampviz.examples.models import MLP
 from ampviz.lessons.autocast_code import (
     CUSTOM_VARIANTS,
     VARIANTS,
@@ -14,6 +12,8 @@ from ampviz.lessons.autocast_code import (
     trace_custom_function,
 )
 from ampviz.lessons.autocast_placement import PlacementExplorer, placement_step
+from ampviz.lessons.data import digits
+from ampviz.lessons.models import MLP
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +158,8 @@ def test_explorer_state_follows_its_controls(batch):
 
 def test_adam_moves_a_weight_whose_gradient_flips_by_its_first_step_formula(batch):
     """The old lesson asserted only moved > 0.5 lr for "almost twice lr"; the formula pins every flipped weight."""
-    from ampviz.examples.data import digits
     from ampviz.lessons.autocast_placement import adam_first_step_moves
+    from ampviz.lessons.data import digits
     model, _, _ = batch
     d = digits(seed=0)
     batches = [(d.x_train[32 * k:32 * (k + 1)], d.y_train[32 * k:32 * (k + 1)]) for k in range(5)]

@@ -6,8 +6,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 
-from ampviz.examples.models import MLP
 from ampviz.lessons.comm import AllReduceLog, counting_hook, ddp_allreduce_bytes, ddp_scaled_steps, one_process_group
+from ampviz.lessons.models import MLP
 
 
 @pytest.fixture

@@ -7,9 +7,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ampviz.examples import ddp_basics
-from ampviz.examples.distributed import Workers, free_port
-from ampviz.lessons import ddp_inside
+from ampviz.lessons import ddp_inside, ddp_ranks
+from ampviz.lessons.launch import Workers, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ def test_buckets_are_rebuilt_after_the_first_backward_and_which_forwards_are_col
     with Workers(2, timeout=180) as workers:
         events = workers.run(ddp_inside.bucket_events, 3, 4, 256, 0.5)
         lone = workers.run(ddp_inside.lone_forward, 2.0)
-        sent = workers.run(ddp_basics.forward_broadcasts)
+        sent = workers.run(ddp_ranks.forward_broadcasts)
     # buffers: rank 0's win in a forward; whether the next forward syncs them depends on the last one's grad mode
     assert sent[0]["buffer after forward"] == sent[1]["buffer after forward"] == [0.0, 0.0]
     assert all(r["forward syncs buffers"] and not r["syncs after a no_grad forward"] for r in sent)

@@ -3,8 +3,8 @@
 import pytest
 
 from ampviz.examples.ddp_amp import Config
-from ampviz.examples.distributed import Workers
 from ampviz.lessons import ddp_training
+from ampviz.lessons.launch import Workers
 
 pytestmark = pytest.mark.slow
 

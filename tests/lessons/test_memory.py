@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ampviz.examples.models import MLP
 from ampviz.lessons.memory import (
     CATEGORIES,
     MIB,
@@ -16,6 +15,7 @@ from ampviz.lessons.memory import (
     set_memory,
     tensor_bytes,
 )
+from ampviz.lessons.models import MLP
 
 
 def batch(n=64, d_in=16, classes=10, seed=0):

@@ -45,8 +45,8 @@ def test_most_of_both_16_bit_errors_is_the_shared_bf16_rounding_of_the_gradient(
     randn matrices much less), and exact when no rounding happens."""
     import torch.nn.functional as F
 
-    from ampviz.examples.data import digits
-    from ampviz.examples.models import MLP
+    from ampviz.lessons.data import digits
+    from ampviz.lessons.models import MLP
     data, grads = digits(seed=0), []
     for seed in range(3):                  # real gradients, as the appendix uses (low rank, unlike randn)
         torch.manual_seed(seed)

@@ -1,7 +1,8 @@
-"""Small models used by the lessons and examples (nothing here is ampviz-specific).
+"""Small models (nothing here is ampviz-specific). Used by lessons 02 to 12 and the appendices; ``ampviz demo``,
+``ampviz.examples`` and the benchmarks use them too (the first two through ``ampviz.examples.fixtures``).
 
     >>> import torch
-    >>> from ampviz.examples.models import MLP
+    >>> from ampviz.lessons.models import MLP
     >>> MLP(64, 32, depth=2, d_out=10)(torch.zeros(5, 64)).shape
     torch.Size([5, 10])
 """

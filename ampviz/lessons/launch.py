@@ -1,29 +1,28 @@
-"""Small helpers for torch.distributed: start a process group from torchrun's environment, and launch
-ranks from a notebook (lessons 10 and 11 run the examples this way).
+"""Launch ranks from a notebook: what ``torchrun`` does for one machine, driven from Python. Used by lessons 10,
+10b, 11 and 11b.
 
 The engine is PyTorch's own DDP; nothing here imitates it. ``launch`` does what ``torchrun`` does
 for one machine (it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... and starts the processes)
 so a lesson can run ranks without a terminal, and it collects each rank's return value::
 
-    from ampviz.examples.distributed import Workers, launch
-    from ampviz.examples import ddp_basics
-    launch(ddp_basics.hello, nprocs=2)          # [{'rank': 0, ...}, {'rank': 1, ...}]
+    from ampviz.lessons.launch import Workers, launch
+    from ampviz.lessons import ddp_ranks
+    launch(ddp_ranks.hello, nprocs=2)           # [{'rank': 0, ...}, {'rank': 1, ...}]
 
     workers = Workers(2)                        # start two ranks once (imports cost seconds) ...
-    workers.run(ddp_basics.hello)               # ... then run several functions on them
+    workers.run(ddp_ranks.hello)                # ... then run several functions on them
     workers.close()
 
 The function must be importable (defined in a module, not in a notebook): the ``spawn`` start
 method pickles it by name and the child imports it (from a script, call ``launch`` under
 ``if __name__ == "__main__":``, since the children import the script too). Its return value travels back through
 ``torch.save`` / ``torch.load(weights_only=True)``, so return tensors, numbers, strings, lists
-and dicts. Inside the function, ``init_from_env()`` joins the process group exactly as it would
-under ``torchrun``.
+and dicts. Inside the function, ``init_from_env()`` (from :mod:`ampviz.examples.process_group`, re-exported
+here) joins the process group exactly as it would under ``torchrun``.
 """
 
 from __future__ import annotations
 
-import datetime
 import io
 import multiprocessing.connection
 import os
@@ -31,7 +30,6 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,9 +37,9 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from .._args import check_int
+from ..examples.process_group import init_from_env
 
-__all__ = ["LaunchError", "PeerFailure", "is_collective_failure", "Dist", "Workers", "free_port", "init_from_env",
-           "launch"]
+__all__ = ["LaunchError", "Workers", "free_port", "init_from_env", "launch"]
 
 
 class LaunchError(RuntimeError):
@@ -53,63 +51,11 @@ class LaunchError(RuntimeError):
         self.outcomes, self.tracebacks = outcomes, tracebacks or {}
 
 
-class PeerFailure(RuntimeError):
-    """This rank stopped because a collective failed: another rank died, hung or was unreachable."""
-
-
-def is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` came from a failed or timed-out collective (gloo / NCCL / the store)."""
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(k in text for k in (
-        "gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out"))
-
-
-@dataclass
-class Dist:
-    """Where this process stands: its rank, the world size, its device and the backend in use."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str | None
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def init_from_env(timeout: float = 60.0, backend: str | None = None) -> Dist:
-    """Join the process group described by torchrun's environment variables.
-
-    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (set by ``torchrun`` and by :func:`launch`).
-    The backend is NCCL with ``cuda:LOCAL_RANK`` when there is a GPU for every local rank, gloo on
-    the CPU otherwise. ``timeout`` (seconds) bounds every collective: a rank whose peer died or hung
-    raises an error after it instead of waiting forever. Without ``WORLD_SIZE`` (a plain
-    ``python`` run) nothing is initialised and a world of one is returned.
-    """
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        return Dist(0, 1, 0, device, None)
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
 
 
 class Workers:

@@ -1,14 +1,14 @@
-"""Process-group basics, one small function per idea (lessons 10, 10b, 11 and 11b run them on 2 ranks).
+"""Process-group basics, one small function per idea, run on 2 ranks. Used by lessons 10, 10b, 11 and 11b.
 
-Each function joins the process group with :func:`ampviz.examples.distributed.init_from_env` (torchrun's
-environment) and returns plain data, so a notebook can run it with ``ampviz.examples.distributed.launch``::
+Each function joins the process group with :func:`ampviz.examples.process_group.init_from_env` (torchrun's
+environment) and returns plain data, so a notebook can run it with ``ampviz.lessons.launch.launch``::
 
-    from ampviz.examples.distributed import launch
+    from ampviz.lessons.launch import launch
     launch(hello, nprocs=2)                       # [{'rank': 0, 'world_size': 2, ...}, {'rank': 1, ...}]
 
 or a terminal with torchrun, which runs :func:`main` (hello + an all-reduce on every rank)::
 
-    torchrun --nproc-per-node 2 -m ampviz.examples.ddp_basics
+    torchrun --nproc-per-node 2 -m ampviz.lessons.ddp_ranks
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+from ..examples.process_group import init_from_env
+from ..examples.trainer import Trainer
 from .data import digits
-from .distributed import init_from_env
 from .models import MLP
-from .trainer import Trainer
 
 __all__ = ["hello", "env_without_local_rank", "collective_timeout", "forward_broadcasts", "sampler_shares",
            "reductions", "rank0_evaluation", "sharded_evaluation", "restore_and_broadcast",

@@ -1,6 +1,7 @@
-"""Small real data sets that ship inside installed packages (no downloads), as tensors.
+"""Small real data sets that ship inside installed packages (no downloads), as tensors. Used by lessons 01 to
+13 and the appendices; ``ampviz demo`` and ``ampviz.examples`` take them through ``ampviz.examples.fixtures``.
 
-    >>> from ampviz.examples.data import digits
+    >>> from ampviz.lessons.data import digits
     >>> d = digits(seed=0)
     >>> d.x_train.shape, d.n_classes
     (torch.Size([1347, 64]), 10)
