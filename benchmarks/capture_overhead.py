@@ -97,8 +97,8 @@ class Variant:
             self.rec.__enter__()
             self._time_saves()
             if name == "ampviz-hooks":                    # every hook fires; nothing is counted
-                self.rec._counter.add = lambda x, row: None
-                self.rec._counter.add_many = lambda xs, rows: None
+                self.rec._recording.counter.add = lambda x, row: None
+                self.rec._recording.counter.add_many = lambda xs, rows: None
         elif name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(f"{logdir}/{workload}")

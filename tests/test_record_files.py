@@ -173,7 +173,7 @@ def test_a_huge_flush_every_is_bounded_by_max_bytes():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = ampviz.Recorder(model, opt, flush_every=2 ** 20, max_bytes=1 << 20)    # a 2**20-step ring: 5.4 GB
     with rec:
-        ring = rec._store.ring                                   # the buffer that flush_every sizes
+        ring = rec._recording.store.ring                         # the buffer that flush_every sizes
         assert ring.numel() * ring.element_size() <= (1 << 20) // 16
         train(model, opt, rec, 40)
     assert rec.run.n_steps == 40 and rec.run.hist_steps.size == 40

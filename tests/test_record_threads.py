@@ -61,7 +61,7 @@ def test_counting_threads_never_exceed_torchs_and_are_gone_after_close():
             peak.append(sum(t.name.startswith("ampviz-count") for t in threading.enumerate()))
         model[0].register_forward_hook(watch)
         with ampviz.Recorder(model, opt) as rec:
-            rec._counter.min_share = 1 << 16                         # split even these 1M values: the pool runs
+            rec._recording.counter.min_share = 1 << 16               # split even these 1M values: the pool runs
             for _ in range(3):
                 F.cross_entropy(model(torch.randn(64, 1024)), torch.randint(0, 8, (64,))).backward()
                 opt.step()

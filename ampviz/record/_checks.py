@@ -5,9 +5,7 @@ a GradScaler the loop does not use, hooks that did not run, and a model changed 
 
 from __future__ import annotations
 
-import warnings
-
-from .._warnings import AmpvizWarning
+from .._warnings import warn
 from ._select import named_modules, named_parameters
 
 __all__ = ["StepChecks", "model_changes"]
@@ -28,10 +26,10 @@ class StepChecks:
     def _states(self):
         return None if self.scaler is None else getattr(self.scaler, "_per_optimizer_states", None)
 
-    def _warn(self, key: str, message: str, stacklevel: int = 4) -> None:
+    def _warn(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, AmpvizWarning, stacklevel=stacklevel)
+            warn(message)
 
     def at_step(self, capture) -> None:
         states = self._states()
@@ -68,20 +66,19 @@ class StepChecks:
                        "compiled after Recorder(...) was made): the hooks on its modules found themselves traced and "
                        "stood down, so nothing entered the compiled graph and training is unchanged, but activation "
                        "gradients and outputs are not recorded. Give the Recorder the compiled model, or pass "
-                       "activations=False.", stacklevel=5)
+                       "activations=False.")
         elif self.watched and capture.capturing and capture.grads_seen and not capture.module_forwards:
             self._warn("no forwards", f"Recorder: none of the {self.watched} watched modules ran its forward hooks "
                        f"in a step whose backward ran, so their activation-gradient and output rows do not fill (a "
                        f"model compiled and called before Recorder(...) was made runs without them; so do modules "
-                       f"called through their forward() or functionally rather than as module(x)).", stacklevel=5)
+                       f"called through their forward() or functionally rather than as module(x)).")
 
     def at_close(self, steps: int, capture, forwards: int) -> None:
         optimizer_steps = capture.total_optimizer_steps
         if steps == 0 and (optimizer_steps or forwards):
             seen = f"{optimizer_steps} optimizer steps" if optimizer_steps else f"{forwards} training forward passes"
-            warnings.warn(f"Recorder closed after {seen} without a rec.step() call: the run has 0 steps. Call "
-                          f"rec.step(loss) once per optimizer step, after scaler.update().", AmpvizWarning,
-                          stacklevel=4)
+            warn(f"Recorder closed after {seen} without a rec.step() call: the run has 0 steps. Call "
+                 f"rec.step(loss) once per optimizer step, after scaler.update().")
         elif self.scaler is not None and steps and capture.total_scaler_steps == 0 and (optimizer_steps or forwards):
             self._warn("unused", self._unused(optimizer_steps))
 

@@ -63,7 +63,7 @@ class Capture:
     """Hooks and per-step state for the watched ``params`` and ``activations`` / ``outputs`` modules,
     each a list of (name, object)."""
 
-    def __init__(self, params, activations, outputs, local: bool, counter, ddp=None):
+    def __init__(self, params, activations, outputs, local: bool, counter, ddp=None, *, recorded: bool):
         self.params, self.counter, self.ddp = params, counter, ddp
         self.n_weights = len(params)
         self.first_activation = self.n_weights
@@ -80,7 +80,6 @@ class Capture:
         self.dtypes: list = [None] * self.n_rows             # torch dtypes seen per row (str at the end)
         self.row_of = {id(p): i for i, (_, p) in enumerate(params)}
         self.handles: list = []
-        self.capturing = True
         self.optimizer_steps = self.forwards = 0             # since the last rec.step(), for the misuse checks
         self.total_optimizer_steps = 0
         self.scaler_steps = self.total_scaler_steps = 0      # calls of the watched GradScaler's step()
@@ -88,7 +87,7 @@ class Capture:
         self.traced = False                                  # a hook stood down inside torch.compile's tracing
         self.training_forward = False                        # inside a call of the model with grad enabled
         self._opt_rows: dict = {}
-        self.new_step()
+        self.new_step(recorded)                              # whether the first step's histograms are recorded
 
     # ------------------------------------------------------------------ install / remove
     def install(self, root, optimizer, global_hook, scaler=None, skip=frozenset()) -> None:
@@ -111,11 +110,15 @@ class Capture:
             self.handles.append(ScalerStepWatch(scaler, self))
 
     def remove(self) -> None:
+        """Remove every hook and drop the references to gradients (the memory is the loop's again)."""
         while self.handles:
             self.handles.pop().remove()
+        self.grad_refs = [None] * self.n_weights
 
     # ------------------------------------------------------------------ per step
-    def new_step(self) -> None:
+    def new_step(self, recorded: bool) -> None:
+        """A new step begins; ``recorded``: whether its histograms are recorded (the hooks count only then)."""
+        self.capturing = recorded
         self.order = [-1] * self.n_rows                      # backward order of each row this step
         self.next_order = 0
         self.ordering = True                                 # still in the step's first backward

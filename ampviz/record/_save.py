@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from pathlib import Path
 
 from .._args import check_int
 from .._files import clean_stale
-from .._warnings import AmpvizWarning
+from .._warnings import warn
 from ..run import RunFileWriter
 from ._signals import held_signals
 
@@ -63,9 +62,8 @@ class Saver:
         except Exception as e:                     # noqa: BLE001 - training must not stop for a failed save
             self._last = (time.monotonic(), step)
             if not self._failing:
-                warnings.warn(f"Recorder: saving the run to {self.target} failed ({type(e).__name__}: {e}); "
-                              f"recording goes on, the next save tries again (the file holds "
-                              f"{self.saved[1] if self.saved else 0} steps)", AmpvizWarning, stacklevel=4)
+                warn(f"Recorder: saving the run to {self.target} failed ({type(e).__name__}: {e}); recording goes "
+                     f"on, the next save tries again (the file holds {self.saved[1] if self.saved else 0} steps)")
             self._failing = True
             return
         self._failing = False

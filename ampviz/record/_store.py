@@ -3,27 +3,29 @@
 Per step the device receives a loss, the scale after ``update()`` and (on recorded steps) a row
 of histogram counts; nothing is read back until the ring is full. A flush copies the ring into
 preallocated host arrays (the only device->host sync) of at most ``max_bytes``: when they are
-full, every other recorded step is dropped in place (decimation) and ``every`` doubles. Host
+full, every other recorded step is dropped in place (decimation): ``flush_counts`` says how many times, and
+the recording that owns the store doubles its ``every`` as often (the store keeps no ``every`` of its own). Host
 memory therefore stays within ``max_bytes`` for the histograms, plus the ring (at most
 ``max_bytes / 16``; on the CPU the "device" is the host) and at most 40 bytes per step for the scalars
 (16 in an array grown by doubling, 8 for the scheduler's epoch)::
 
-    store = StepStore("cpu", n_tensors=3, flush_every=32, max_bytes=1 << 20, every=1)
+    store = StepStore("cpu", n_tensors=3, flush_every=32, max_bytes=1 << 20)
     counter.target = store.slot()          # the counts row of the current recorded step
     store.put_scalars(loss, scaler)        # every step
-    store.end_row(step, order, counter)    # a recorded step is complete
+    if store.end_row(step, order):         # a recorded step is complete; True: the ring is full
+        halvings = store.flush_counts(counter, every)     # decimations done (every doubles that often)
+    counter.target = store.slot()          # the row moved: aim the counter again
 """
 
 from __future__ import annotations
 
 import math
-import warnings
+from typing import Any
 
 import numpy as np
 import torch
 
-from .._counting import NBINS
-from .._warnings import AmpvizWarning
+from .._counting import NBINS, Counter
 
 _MOVE_BYTES = 8 << 20        # decimation moves rows in blocks of at most this size (the only temporary copy)
 
@@ -31,15 +33,16 @@ _MOVE_BYTES = 8 << 20        # decimation moves rows in blocks of at most this s
 class StepStore:
     """Device ring + bounded host arrays for per-step scalars and histogram rows."""
 
-    def __init__(self, device, n_tensors: int, flush_every: int, max_bytes: int, every: int, stacklevel: int = 4):
-        self.n_tensors, self.max_bytes, self.every, self.stacklevel = n_tensors, max_bytes, every, stacklevel
+    def __init__(self, device: torch.device | str, n_tensors: int, flush_every: int, max_bytes: int) -> None:
+        self.n_tensors, self.max_bytes = n_tensors, max_bytes
         # one histogram row on the host: counts (T, NBINS) int64, backward order (T,) int32, its step
         self.row_bytes = n_tensors * (NBINS * 8 + 4) + 8
         self.capacity = max(2, max_bytes // self.row_bytes)
-        # the counts ring stays within max_bytes / 16 (on the CPU it is host memory too)
-        self.flush_every = max(1, min(flush_every, self.capacity, (max_bytes // 16) // self.row_bytes))
-        self.ring = torch.zeros(self.flush_every, n_tensors, NBINS, dtype=torch.int64, device=device)
-        self.ring_order = np.full((self.flush_every, n_tensors), -1, dtype=np.int32)
+        # rows of the counts ring: the user's flush_every, capped so that the ring stays within max_bytes / 16
+        # (on the CPU it is host memory too); the ring is copied to the host when they are all used
+        self.ring_rows = max(1, min(flush_every, self.capacity, (max_bytes // 16) // self.row_bytes))
+        self.ring = torch.zeros(self.ring_rows, n_tensors, NBINS, dtype=torch.int64, device=device)
+        self.ring_order = np.full((self.ring_rows, n_tensors), -1, dtype=np.int32)
         self.ring_steps: list[int] = []
         # (2, S) loss and scale after update(): 16 bytes a step, so a longer ring than the counts'
         self.scalar_len = max(1, min(flush_every, 4096))
@@ -49,15 +52,17 @@ class StepStore:
         self.n_steps = 0                                           # steps whose scalars are on the host
         self.scheduler: list[int] = []
         self.n = 0                                  # histogram rows on the host
-        self.counts = self.order = self.steps = None  # allocated at the first flush (pages on first touch)
-        self.decimations = 0
+        self.counts: Any = None                     # allocated at the first flush (pages on first touch)
+        self.order: Any = None
+        self.steps: Any = None
+        self.decimations = 0                        # times every other recorded step was dropped
 
     def slot(self) -> torch.Tensor:
         """Flat view of the counts row that the current recorded step adds into."""
         return self.ring[len(self.ring_steps)].view(-1)
 
     # ------------------------------------------------------------------ per step
-    def put_scalars(self, loss, scaler, scheduler_epoch=None) -> None:
+    def put_scalars(self, loss: Any, scaler: Any, scheduler_epoch: int | None = None) -> None:
         """Store this step's loss, the scaler's current scale and the scheduler's epoch without a host sync."""
         j = self.scalars_used
         if loss is None:
@@ -79,14 +84,13 @@ class StepStore:
         if self.scalars_used == self.scalar_len:
             self.flush_scalars()
 
-    def end_row(self, step: int, order, counter) -> None:
-        """The current row is complete (its counts were submitted); ``order`` is its backward order (T,)."""
+    def end_row(self, step: int, order: list[int]) -> bool:
+        """The current row is complete (its counts were submitted); ``order`` is its backward order (T,). True when
+        that filled the ring: flush it (``flush_counts``) before the next row."""
         i = len(self.ring_steps)
         self.ring_order[i] = order
         self.ring_steps.append(step)
-        if len(self.ring_steps) == self.flush_every:
-            self.flush_counts(counter)
-        counter.target = self.slot()
+        return len(self.ring_steps) == self.ring_rows
 
     # ------------------------------------------------------------------ flushes
     def flush_scalars(self) -> None:
@@ -101,8 +105,12 @@ class StepStore:
             self.n_steps += n
             self.scalars_used = 0
 
-    def flush_counts(self, counter) -> None:
+    def flush_counts(self, counter: Counter, every: int) -> int:
+        """Copy the ring's rows to the host (waiting for ``counter``'s counts to land), recorded every ``every``
+        steps; returns how many times that decimated the host rows (each time ``every`` doubles). The current
+        row may move: aim the counter at ``slot()`` again."""
         counter.wait()
+        halvings = 0
         k = len(self.ring_steps)
         if k:
             if self.counts is None:
@@ -116,8 +124,8 @@ class StepStore:
                 self.steps[self.n:self.n + k] = self.ring_steps
                 self.n += k
             else:
-                self._append_decimating(self.ring[:k].cpu().numpy(), k)            # sync, once per flush
-            if k < self.flush_every:              # a snapshot mid-step: keep the step's counts so far
+                halvings = self._append_decimating(self.ring[:k].cpu().numpy(), k, every)   # sync, once per flush
+            if k < self.ring_rows:              # a snapshot mid-step: keep the step's counts so far
                 self.ring[0].copy_(self.ring[k])
                 self.ring[1:].zero_()
                 self.ring_order[0] = self.ring_order[k]
@@ -126,21 +134,24 @@ class StepStore:
                 self.ring.zero_()
                 self.ring_order.fill(-1)
             self.ring_steps = []
-        counter.target = self.slot()
+        return halvings
 
-    def _append_decimating(self, rows: np.ndarray, k: int) -> None:
+    def _append_decimating(self, rows: np.ndarray, k: int, every: int) -> int:
+        halvings = 0                                           # rows now kept every ``every << halvings`` steps
         for j in range(k):
             step = self.ring_steps[j]
             if self.n == self.capacity:
-                self._decimate()
-            if step % self.every:                              # recorded before ``every`` doubled
+                self._decimate(every << halvings)
+                halvings += 1
+            if step % (every << halvings):                     # recorded before ``every`` doubled
                 continue
             self.counts[self.n], self.order[self.n], self.steps[self.n] = rows[j], self.ring_order[j], step
             self.n += 1
+        return halvings
 
-    def _decimate(self) -> None:
-        """Keep every other recorded step, in place, and double ``every``."""
-        keep = np.flatnonzero((self.steps[:self.n] // self.every) % 2 == 0)
+    def _decimate(self, every: int) -> None:
+        """Keep every other recorded step (of steps recorded every ``every``), in place."""
+        keep = np.flatnonzero((self.steps[:self.n] // every) % 2 == 0)
         if keep.size == self.n:                                # irregular steps: halve by position
             keep = np.arange(0, self.n, 2)
         block = max(1, min(_MOVE_BYTES, self.max_bytes // 32) // self.row_bytes)
@@ -150,14 +161,11 @@ class StepStore:
             self.order[a:a + idx.size] = self.order[idx]
             self.steps[a:a + idx.size] = self.steps[idx]
         self.n = keep.size
-        self.every *= 2
         self.decimations += 1
-        warnings.warn(f"Recorder: histograms reached max_bytes={self.max_bytes}; keeping every "
-                      f"{self.every}th step from now on", AmpvizWarning, stacklevel=self.stacklevel)
 
     # ------------------------------------------------------------------ the result
     def arrays(self, init_scale: float, skip_by_scale: bool, copy: bool, hist_after: int = -1,
-               steps_from: int = 0, rows_from: int = 0) -> dict:
+               steps_from: int = 0, rows_from: int = 0) -> dict[str, np.ndarray]:
         """Host arrays of everything flushed so far. ``copy=False`` returns views of the store (for the final
         run: no second copy of the histograms); a snapshot of an open recorder needs ``copy=True``. Only the
         histograms of steps after ``hist_after`` are included (every step's scalars always are). A save of

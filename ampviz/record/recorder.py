@@ -60,22 +60,17 @@ cut short: a Ctrl-C or SIGTERM that arrives during one takes effect once the fil
 from __future__ import annotations
 
 import sys
-import time
-import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .. import __version__
 from .._args import check_int
-from .._counting import make_counter
-from .._dist import dist_info
-from .._warnings import AmpvizWarning
-from ..run import KIND_DOMAIN, Run
-from ._checks import StepChecks, model_changes
-from ._hooks import Capture
-from ._paths import rank_file
-from ._save import Saver
+from .._warnings import warn
+from ..run import Run
+from ._checks import model_changes
+from ._recording import Outcome, _Recording
 from ._select import (
     attention_in_place_of_out_proj,
     default_modules,
@@ -84,8 +79,6 @@ from ._select import (
     select,
     trainable_param,
 )
-from ._signals import SaveOnTerm, held_signals
-from ._store import StepStore
 from ._unwrap import compiled_modules, unwrap_model, unwrap_optimizer
 from .options import RecordOptions
 
@@ -140,16 +133,16 @@ class Recorder:
         change those); ``rec.options`` is the one in use, and the run's ``meta["options"]`` its JSON.
     """
 
-    def __init__(self, model, optimizer=None, scaler=None, *, options: RecordOptions | None = None, **kw):
+    def __init__(self, model: nn.Module, optimizer: Any = None, scaler: torch.amp.GradScaler | None = None, *,
+                 options: RecordOptions | None = None, **kw: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.optimizer = unwrap_optimizer(optimizer)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
         self.options = opts = RecordOptions.build(options, **kw)
-        self.scheduler, self.enabled, self.path = opts.scheduler, opts.enabled, opts.path
-        self.save_every, self.save_every_steps = opts.save_every, opts.save_every_steps
         weights, activations, outputs, compiled_by = opts.weights, opts.activations, opts.outputs, opts.compiled_by
+        # what is watched, chosen once here (a _Recording reads it; nothing below changes while recording)
         self._given = model
         self.model, self._ddp, self._compiled = unwrap_model(model)
         self._compiled_by = compiled_by
@@ -157,7 +150,6 @@ class Recorder:
         if opts.local_weights and self._ddp is None:
             raise ValueError("local_weights: True needs a DistributedDataParallel model (local and reduced "
                              "gradients only differ under DDP)")
-        self.every, self.flush_every, self.max_bytes = opts.every, opts.flush_every, opts.max_bytes
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._params = select(named_parameters(self.model), weights, "weights", default=trainable_param)
         frozen = [n for n, p in self._params if not p.requires_grad]
@@ -168,6 +160,7 @@ class Recorder:
             raise ValueError(f"weights: the filter {weights!r} matches only frozen parameters ({frozen[:3]} ...)")
         self._all_weights = weights is True
         self._default_modules = default_modules(self.model)
+        self._compiled_anywhere = False                   # some watched module runs compiled (set by _modules_for)
         self._activations = self._modules_for(activations, "activations")
         self._outputs = self._modules_for(outputs, "outputs")
         # a module added later would have been chosen: only for the default choice, outside torch.compile
@@ -179,19 +172,64 @@ class Recorder:
         self.tensor_kinds = (["weight"] * len(watched) + ["activation"] * len(self._activations)
                              + ["output"] * len(self._outputs)
                              + (["weight_local"] * len(watched) if self._local else []))
+        # the lifecycle: new -> open (one _Recording while enabled) -> closed (its Outcome kept)
         self._open = self._closed = False
-        self._run = self._saver = None
-        self._term = SaveOnTerm()
+        self._recording: _Recording | None = None
+        self._outcome: Outcome | None = None
 
-    def _modules_for(self, spec, argname: str) -> list:
+    # ------------------------------------------------------------------ options, read-only
+    @property
+    def scheduler(self) -> Any:
+        return self.options.scheduler
+
+    @property
+    def enabled(self) -> bool:
+        return self.options.enabled
+
+    @property
+    def path(self) -> Any:
+        return self.options.path
+
+    @property
+    def save_every(self) -> float | None:
+        return self.options.save_every
+
+    @property
+    def save_every_steps(self) -> int | None:
+        return self.options.save_every_steps
+
+    @property
+    def flush_every(self) -> int:
+        """As given (the store's ring may hold fewer rows: it stays within ``max_bytes / 16``)."""
+        return self.options.flush_every
+
+    @property
+    def max_bytes(self) -> int:
+        return self.options.max_bytes
+
+    @property
+    def every(self) -> int:
+        """Histograms are recorded every this many steps: ``options.every`` until decimation doubles it while
+        recording (``run.meta["every"]`` is the value at the end)."""
+        if self._recording is not None:
+            return self._recording.every
+        return self._outcome.every if self._outcome is not None else self.options.every
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the counts are made (the model's device when recording began); None before ``with recorder:``."""
+        if self._recording is not None:
+            return self._recording.device
+        return self._outcome.device if self._outcome is not None else None
+
+    def _modules_for(self, spec: Any, argname: str) -> list[tuple[str, nn.Module]]:
         chosen = select(named_modules(self.model), spec, argname, default=self._default_modules)
         chosen, replaced = attention_in_place_of_out_proj(self.model, chosen, argname)
         if replaced and spec is not True and self.enabled:
-            warnings.warn(f"{argname}: nn.MultiheadAttention never calls its out_proj ({', '.join(replaced[:3])}); "
-                          f"recording the attention module's output instead (the same tensor)", AmpvizWarning,
-                          stacklevel=3)
+            warn(f"{argname}: nn.MultiheadAttention never calls its out_proj ({', '.join(replaced[:3])}); "
+                 f"recording the attention module's output instead (the same tensor)")
         inside = {id(m) for m in self.model.modules()} if self._compiled else compiled_modules(self.model)
-        self._compiled_anywhere = bool(inside)
+        self._compiled_anywhere = bool(inside)           # the same for both calls: the model's compiled modules
         hit = [n for n, m in chosen if id(m) in inside]
         if not hit:
             return chosen
@@ -202,9 +240,9 @@ class Recorder:
                              f"a hook on them would add graph breaks and change the compiled training. Record "
                              f"the model without torch.compile, or pass {argname}=False (weights are still recorded)")
         if self.enabled:
-            warnings.warn(f"{by or argname}: the model runs under torch.compile, where a hook on its modules would add "
-                          f"graph breaks and change training, so {argname} are not recorded for {len(hit)} modules "
-                          f"(weight gradients still are); pass {argname}=False to say so", AmpvizWarning, stacklevel=3)
+            warn(f"{by or argname}: the model runs under torch.compile, where a hook on its modules would add "
+                 f"graph breaks and change training, so {argname} are not recorded for {len(hit)} modules "
+                 f"(weight gradients still are); pass {argname}=False to say so")
         return [(n, m) for n, m in chosen if id(m) not in inside]
 
     # ------------------------------------------------------------------ context manager
@@ -220,15 +258,17 @@ class Recorder:
                                    f"({'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''}): those rows "
                                    f"would never fill. Create the Recorder once the model is final (after "
                                    f"fully_shard, adapters, layer changes)")
+            recording = _Recording(self)
             try:
-                self._setup()
+                recording.start()
             except BaseException:
-                self._teardown()                  # nothing installed is left behind
+                recording.teardown()              # nothing installed is left behind
                 raise
+            self._recording = recording
         self._open = True
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             self.close()
             return False
@@ -236,8 +276,9 @@ class Recorder:
             self._close(failing=True)
         except Exception as close_error:          # the user's exception stays the one raised
             what = f"saving the run to {self.path}" if self.path is not None else "closing the recorder"
+            built = self._outcome is not None and self._outcome.run is not None
             kept = ("it is still in recorder.run: save it elsewhere with recorder.run.save(path)"
-                    if self._run is not None else "what was recorded is lost")
+                    if built else "what was recorded is lost")
             if self.saved is not None:
                 kept += f" (the file holds the {self.saved[1]} steps of the last save)"
             note = f"ampviz: {what} also failed ({type(close_error).__name__}: {close_error}); {kept}"
@@ -255,192 +296,59 @@ class Recorder:
         if self._closed:
             return
         self._closed, self._open = True, False
-        if not self.enabled:
+        recording, self._recording = self._recording, None
+        if recording is None:                     # enabled=False, or never entered
             return
-        self._term.restore()                      # the handler of before; signals wait until the save is done
-        with held_signals(f"saving the run to {self._saver.target}" if self._saver else "closing the recorder"):
-            self._teardown()
-            self._flush()
-            self._run = self._build_run(final=True)
-            if self._saver is not None:
-                self._saver.save(self._store, self._step, self._file_meta(), self._file_arrays)
-            if not failing:
-                self._checks.at_close(self._step, self._capture, self._forwards)
-                problems = [p for p in self._model_changes() if p not in self._changes_seen]
-                if problems:
-                    warnings.warn(f"Recorder: the model changed while recording ({'; '.join(problems[:4])}): those "
-                                  f"rows stopped filling", AmpvizWarning, stacklevel=3)
-
-    def _teardown(self) -> None:
-        capture = getattr(self, "_capture", None)
-        if capture is not None:
-            capture.remove()
-            capture.grad_refs = [None] * capture.n_weights
-        self._term.restore()
-        counter = getattr(self, "_counter", None)
-        if counter is not None:
-            counter.close()
+        try:
+            recording.close(failing)
+        finally:
+            self._outcome = recording.outcome()   # what is left of it: the run, the last save, every, device
 
     def wait(self) -> None:
         """Block until the counts of every recorded step so far have landed (on the GPU they are
         computed asynchronously). Useful for timing; never needed for correctness."""
-        if self.enabled and self._open:
-            self._counter.wait()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        if self._recording is not None:
+            self._recording.wait()
 
     @property
-    def saved(self):
+    def saved(self) -> tuple[Path, int] | None:
         """``(file, steps)`` of the last save that completed (periodic or on exit), or None: what is on disk."""
-        return None if self._saver is None else self._saver.saved
+        if self._recording is not None:
+            return self._recording.saved
+        return self._outcome.saved if self._outcome is not None else None
 
     @property
     def run(self) -> Run:
         """The recorded run (a snapshot if the recorder is still open)."""
         if not self.enabled:
             raise RuntimeError("Recorder(enabled=False) records nothing")
-        if self._run is not None:
-            return self._run
-        if not self._open:
+        if self._outcome is not None and self._outcome.run is not None:
+            return self._outcome.run
+        if self._recording is None:
             raise RuntimeError("Recorder has not been entered yet")
-        self._flush()
-        return self._build_run(final=False)
+        self._recording.flush()
+        return self._recording.build_run(final=False)
 
     def snapshot(self, after: int = -1) -> Run:
         """The run so far, like ``rec.run``, with the histograms of the steps after ``after`` only (every
         step's loss, scale and skip flag are kept): what writing the new steps as they come needs, without
         copying every histogram recorded so far each time (``ampviz.export.LiveExport`` uses it)."""
         after = check_int("after", after, low=-1)
-        if self._run is not None or not self._open:
+        if self._recording is None:
             return self.run
-        self._flush()
-        return self._build_run(final=False, hist_after=after)
+        self._recording.flush()
+        return self._recording.build_run(final=False, hist_after=after)
 
-    # ------------------------------------------------------------------ setup
-    def _setup(self) -> None:
-        first = next(self.model.parameters(), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self._world, self._rank = dist_info()
-        numel = sum(p.numel() for _, p in self._params)
-        self._counter = make_counter(self.device, capacity=numel + (1 << 16))
-        self._store = StepStore(self.device, len(self.tensor_names), self.flush_every, self.max_bytes, self.every,
-                                stacklevel=6)
-        self._capture = Capture(self._params, self._activations, self._outputs, self._local, self._counter,
-                                self._ddp)
-        late = self._compiled_since()
-        self._counter.target = self._store.slot()
-        self._checks = StepChecks(self.scaler, sees_optimizer_steps=self.optimizer is not None or bool(self._params),
-                                  watched=len(set(self._capture.watched) - late),
-                                  compiled=self._compiled_anywhere or bool(late))
-        self._step, self._forwards, self._changes_seen = 0, 0, []
-        self._prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
-        self._scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
-        self._created = time.time()
-        # the model's own forward pre-hook marks micro-batches; not inside an in-place compiled module
-        root = None if getattr(self._given, "_compiled_call_impl", None) is not None else self._given
-        self._capture.install(root, self.optimizer, global_hook=self.optimizer is None, scaler=self.scaler, skip=late)
-        if self.path is not None:
-            self._saver = Saver(rank_file(self.path, self._world, self._rank), self.save_every,
-                                self.save_every_steps)
-            self._term.install()
-
-    def _compiled_since(self) -> set:
-        """ids of watched modules compiled after Recorder(...) was made (``model.compile()``): no hook goes on them,
-        since even a hook that does nothing changes how torch.compile splits an in-place compiled module's graph."""
-        late = {i for i in compiled_modules(self.model) if i in self._capture.watched}
-        if late and self.enabled:
-            names = [n for n, m in self._activations + self._outputs if id(m) in late]
-            warnings.warn(f"Recorder: the model was compiled after Recorder(...) was made, so {len(late)} watched "
-                          f"modules now run under torch.compile ({', '.join(list(dict.fromkeys(names))[:3])}): a hook "
-                          f"on them would change the compiled graph and training, so their activation gradients and "
-                          f"outputs are not recorded (weight gradients are). Make the Recorder once the model is "
-                          f"compiled, with activations=False.", AmpvizWarning, stacklevel=4)
-        return late
-
-    def _model_changes(self) -> list:
+    def _model_changes(self) -> list[str]:
         modules = dict(self._activations + self._outputs)
         return model_changes(self.model, self._params, list(modules.items()), self._all_weights,
                              self._default_modules if self._watch_added_modules else None)
 
     # ------------------------------------------------------------------ per step
-    def step(self, loss=None) -> None:
+    def step(self, loss: Any = None) -> None:
         """Mark the end of one optimizer step (call it after ``scaler.update()``)."""
         if not self.enabled:
             return
-        if not self._open:
+        if self._recording is None:
             raise RuntimeError("Recorder.step() called outside `with recorder:`")
-        capture = self._capture
-        epoch = None if self.scheduler is None else self.scheduler.last_epoch
-        self._store.put_scalars(loss, self.scaler, epoch)
-        self._checks.at_step(capture)
-        if capture.capturing:
-            capture.finish_step()
-            self._store.end_row(self._step, capture.order, self._counter)
-        if self._step == 0:
-            problems = self._changes_seen = self._model_changes()
-            if problems:
-                warnings.warn(f"Recorder: the model changed after `with recorder:` began ({'; '.join(problems[:4])}): "
-                              f"those rows do not fill", AmpvizWarning, stacklevel=2)
-        self._forwards += capture.forwards
-        self._step += 1
-        self.every = self._store.every                     # decimation may have doubled it
-        capture.new_step()
-        capture.capturing = self._step % self.every == 0
-        if self._saver is not None and self._saver.due(self._step):
-            self._flush()                                  # note: a device->host sync, once per save
-            self._saver.periodic(self._store, self._step, self._file_meta(), self._file_arrays)
-
-    # ------------------------------------------------------------------ saving
-    def _file_arrays(self, steps_from: int, rows_from: int) -> dict:
-        """The arrays of the rank file (views of the store) from step ``steps_from`` and histogram row
-        ``rows_from`` on."""
-        a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=False, steps_from=steps_from,
-                               rows_from=rows_from)
-        names = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts", "grad_order")
-        return {k: a[k] for k in names + (("scheduler_steps",) if self.scheduler is not None else ())}
-
-    def _file_meta(self) -> dict:
-        meta = dict(self._meta(), rank=self._rank, tensor_names=list(self.tensor_names),
-                    tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._tensor_dtypes())
-        meta.pop("ranks")
-        return meta
-
-    def _flush(self) -> None:
-        self._store.flush_counts(self._counter)
-        self._store.flush_scalars()
-
-    # ------------------------------------------------------------------ the run
-    def _skip_by_scale(self) -> bool:
-        return self.scaler is not None and self.scaler.get_backoff_factor() < 1
-
-    def _build_run(self, final: bool, hist_after: int = -1) -> Run:
-        a = self._store.arrays(self._prev_scale, self._skip_by_scale(), copy=not final, hist_after=hist_after)
-        per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
-        scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
-        return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(self.tensor_names),
-                   tensor_kinds=list(self.tensor_kinds), tensor_dtypes=self._tensor_dtypes(),
-                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
-
-    def _tensor_dtypes(self) -> list:
-        """Each row's dtype: weight rows the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes
-        them), the others as the hooks saw them."""
-        dtypes = [str(p.dtype) for _, p in self._params]
-        initial = dtypes + [""] * (len(self._activations) + len(self._outputs)) + (dtypes if self._local else [])
-        return self._capture.final_dtypes(initial)
-
-    def _meta(self) -> dict:
-        sc = self.scaler
-        return {"ampviz_version": __version__, "torch_version": torch.__version__, "device": str(self.device),
-                "world_size": self._world, "ranks": [self._rank], "every": self.every,
-                "decimated": self._store.decimations, "created": self._created,
-                "domains": dict(KIND_DOMAIN),
-                "scaler": None if sc is None else {
-                    "init_scale": self._prev_scale, "growth_factor": sc.get_growth_factor(),
-                    "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
-                # the loop called scaler.unscale_(opt) before scaler.step(opt) (to clip): the doctor reads clipped
-                # weight gradients of skipped steps as such only then
-                "unscaled_before_step": None if sc is None else self._capture.unscaled_before_step,
-                # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
-                "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self._scheduler_start},
-                "options": self.options.meta()}       # how it was recorded (every: as asked; "every" above: now)
-
+        self._recording.step(loss)
