@@ -18,10 +18,13 @@ and, when the recorder had them (None otherwise)::
 
 plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
-multiplied by the loss scale. :meth:`Run.counts_in` gives either view of both::
+multiplied by the loss scale. :meth:`Run.counts_for` reads any selection in either view (``rank=`` is a rank
+id, one of ``run.ranks``, in every reader; the domain defaults to "unscaled" in every reader)::
 
     run = ampviz.Run.load("runs/demo")          # a file, or a directory of rank files
     run.counts_in("unscaled")                   # (R, H, T, NBINS)
+    run.counts_for("scaled", rank=1, kind="activation", pooled=True)     # (H, NBINS)
+    run.tensors_of("weight")                    # indices of the weight gradients' rows
     run.to_pandas()                             # tidy: rank, step, tensor, kind, bin, count
 """
 
