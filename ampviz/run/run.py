@@ -185,15 +185,18 @@ class Run:
         i = None if step is None else self.hist_index(step)
         r = slice(None) if p is None else slice(p, p + 1)                # slices: views until the tensors are picked
         h = slice(None) if i is None else slice(i, i + 1)
-        log2s = self.log2_scales()[r][:, h] if domain != "recorded" else None                 # (R', H')
+        # (R', H') shifts into ``domain``; "recorded" shifts nothing (and reads no scale)
+        log2s = self.log2_scales()[r][:, h] if domain != "recorded" else np.zeros((1, 1), np.int64)
         if pooled:
-            out = None
+            parts = []
             for sign in (0, -1, 1):
                 group = [t for t in idx if self._shift_sign(t, domain) == sign]
                 if group:
                     part = self.counts[r][:, h][:, :, group].sum(axis=2, dtype=np.int64)   # (R', H', NBINS)
-                    part = H.shift(part, sign * log2s) if sign else part
-                    out = part if out is None else out + part
+                    parts.append(H.shift(part, sign * log2s) if sign else part)
+            out = parts[0]
+            for part in parts[1:]:
+                out = out + part
         else:
             t = slice(None) if idx == list(range(len(self.tensor_names))) else idx
             out = self.counts[r][:, h][:, :, t]
