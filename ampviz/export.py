@@ -82,7 +82,7 @@ def _step_records(run: Run, rank_index: int, domain: str, prefix: str, after: in
                    f"{prefix}/skipped": float(run.skipped[rank_index, n])}
         histograms = {}
         if step in hist_row:
-            counts = run.counts_at(hist_row[step], domain, rank_index)          # (T, NBINS)
+            counts = run.counts_at(hist_row[step], domain, rank=run.ranks[rank_index])          # (T, NBINS)
             for t, (name, kind) in enumerate(zip(names, kinds)):
                 for special, col in SPECIALS.items():
                     scalars[f"{prefix}_{special}/{kind}/{name}"] = int(counts[t, col])

@@ -238,7 +238,7 @@ def fate_table(counts, format, log2_scales) -> dict[str, np.ndarray]:
     fmt = get_format(format)
     c = as_counts(counts)
     rows = c.reshape(-1, NBINS)
-    out = {f: [] for f in ("zero", "flushed", "subnormal", "normal", "overflow", "nan")}
+    out: dict[str, list] = {f: [] for f in ("zero", "flushed", "subnormal", "normal", "overflow", "nan")}
     for s in [_scale_log2(log2_scale=s) for s in log2_scales]:
         fields = fate_rows(rows, fmt, s)
         for name in out:

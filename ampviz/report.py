@@ -164,10 +164,10 @@ def _shown_scale(why: str, recorded_log2: int) -> int:
     return 0 if why.startswith(_WITHOUT_SCALING) else int(recorded_log2)
 
 
-def representative_steps(run: Run, format="fp16", rank: int = 0) -> list[tuple[int, str]]:
+def representative_steps(run: Run, format="fp16", rank=None) -> list[tuple[int, str]]:
     """Histogram steps worth showing, each with the reason: first, worst underflow, first skipped, last.
 
-    ``rank`` is a rank index.
+    ``rank`` is a rank id (one of ``run.ranks``), the first rank by default.
     "Worst underflow" is the step whose values (all tensors) lose the largest share to zero in
     ``format`` at the loss scale the step used; when no step loses any, the step that would lose
     the most without scaling.
@@ -177,11 +177,12 @@ def representative_steps(run: Run, format="fp16", rank: int = 0) -> list[tuple[i
     fmt = get_format(format)
     picks = [(0, "first step")]
     for domain, why in (("scaled", "worst underflow"), ("unscaled", _WITHOUT_SCALING)):
-        flushed = H.fate(run.pooled_counts(domain, rank), fmt, 1.0).fraction("flushed")           # (H,)
+        flushed = H.fate(run.pooled_counts(domain, rank=rank), fmt, 1.0).fraction("flushed")           # (H,)
         if flushed.max() > 0:
             picks.append((int(flushed.argmax()), f"{why}: {_percent(flushed.max())} flushed"))
             break
-    skipped = np.flatnonzero(run.skipped[rank][np.searchsorted(run.steps, run.hist_steps)])
+    r = 0 if rank is None else run.rank_index(rank)
+    skipped = np.flatnonzero(run.skipped[r][np.searchsorted(run.steps, run.hist_steps)])
     if skipped.size:
         picks.append((int(skipped[0]), "first skipped step"))
     picks.append((run.hist_steps.size - 1, "last step"))

@@ -25,7 +25,7 @@ def main() -> None:
     out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
     run, unscaled = (train_demo(seed=0, progress=False, scaling=s) for s in (True, False))
-    acts = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
+    acts = run.tensors_of("activation")
     first_steps = run.counts_in("unscaled")[0, :20][:, acts]          # (steps, tensors, bins)
     fig = histogram_figure(first_steps, "fp16", log2_scale=0, domain="unscaled",
                            title="Activation gradients of a deep sigmoid MLP, first 20 steps,")

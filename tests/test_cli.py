@@ -82,7 +82,7 @@ def test_demo_writes_a_run_whose_skipped_steps_match_its_scale_trace_and_gradien
     policy = TorchPolicy(init_scale=DEMO_SETTINGS["init_scale"], growth_interval=DEMO_SETTINGS["growth_interval"])
     np.testing.assert_array_equal(replay(policy, skipped).scale, run.loss_scale[0])
     # skipped <=> the recorded (unscaled) weight gradients of that step hold inf/nan
-    weights = [i for i, k in enumerate(run.tensor_kinds) if k == "weight"]
+    weights = run.tensors_of("weight")
     counts = run.counts[0][:, weights]                                            # (H, T, NBINS)
     nonfinite = (counts[..., H.ABOVE] + counts[..., H.NAN]).sum(axis=1) > 0
     np.testing.assert_array_equal(nonfinite, skipped)
@@ -336,16 +336,16 @@ def test_representative_steps_are_first_worst_skipped_last(run_path):
 def test_lean_domain_views_equal_run_counts_in(ranks_dir, domain):
     run = ampviz.Run.load(ranks_dir)
     full = run.counts_in(domain)                                                   # (R, H, T, NBINS)
-    activations = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
-    for r in range(len(run.ranks)):
-        np.testing.assert_array_equal(run.pooled_counts(domain, r), full[r].sum(axis=1))
-        np.testing.assert_array_equal(run.pooled_counts(domain, r, kind="activation"),
+    activations = run.tensors_of("activation")
+    for r, rank in enumerate(run.ranks):
+        np.testing.assert_array_equal(run.pooled_counts(domain, rank=rank), full[r].sum(axis=1))
+        np.testing.assert_array_equal(run.pooled_counts(domain, rank=rank, kind="activation"),
                                       full[r][:, activations].sum(axis=1))
-        np.testing.assert_array_equal(run.pooled_counts(domain, r, tensors=activations[:2]),
+        np.testing.assert_array_equal(run.pooled_counts(domain, rank=rank, tensors=activations[:2]),
                                       full[r][:, activations[:2]].sum(axis=1))
-        np.testing.assert_array_equal(run.counts_at(3, domain, r), full[r, 3])
+        np.testing.assert_array_equal(run.counts_at(3, domain, rank=rank), full[r, 3])
         for t in range(len(run.tensor_names)):
-            np.testing.assert_array_equal(run.tensor_counts(t, domain, r), full[r, :, t])
+            np.testing.assert_array_equal(run.tensor_counts(t, domain, rank=rank), full[r, :, t])
     flushed = H.fate(run.counts_in("unscaled"), "fp16", 1.0).fraction("flushed")      # (R, H, T)
     worst, name = worst_without_scaling(run)
     assert worst == flushed.max() and name == run.tensor_names[np.unravel_index(flushed.argmax(), flushed.shape)[2]]

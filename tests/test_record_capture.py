@@ -159,7 +159,7 @@ def test_a_layer_that_overflows_fp16_in_the_forward_shows_inf_in_its_output_row(
     with ampviz.Recorder(model, opt, scaler=scaler, outputs=True) as rec:
         amp_loop(model, opt, scaler, batches, rec)
     run = rec.run
-    rows = [i for i, kind in enumerate(run.tensor_kinds) if kind == "output"]
+    rows = run.tensors_of("output")
     names = [run.tensor_names[i] for i in rows]
     assert names == [f"fc{i} [output]" for i in range(4)] + ["head [output]"]
     assert run.meta["domains"]["output"] == "unscaled" and {run.tensor_dtypes[i] for i in rows} == {"torch.float16"}
@@ -333,7 +333,7 @@ def test_outputs_inside_a_checkpoint_are_counted_once_per_forward(reentrant):
         h0 = fresh.fc0(batches[0][0])
     np.testing.assert_array_equal(run.histogram(0, "fc0 [output]"), H.histogram(h0).numpy())
     for kind in ("output", "activation"):                 # outputs once; output gradients once (the recomputation's)
-        rows = [t for t, k in enumerate(run.tensor_kinds) if k == kind]
+        rows = run.tensors_of(kind)
         assert (run.counts[0][:, rows].sum(axis=-1) == [[16 * 24, 16 * 24, 16 * 3]] * 3).all(), kind
         assert run.tensor_dtypes[rows[0]] == "torch.float16"
 
@@ -381,5 +381,5 @@ def test_weight_dtypes_are_those_the_parameters_have_when_the_run_is_built():
             opt.zero_grad()
             rec.step()
     run = rec.run
-    assert {run.tensor_dtypes[t] for t, k in enumerate(run.tensor_kinds) if k == "weight"} == {"torch.float64"}
-    assert {run.tensor_dtypes[t] for t, k in enumerate(run.tensor_kinds) if k == "activation"} == {"torch.float64"}
+    assert {run.tensor_dtypes[t] for t in run.tensors_of("weight")} == {"torch.float64"}
+    assert {run.tensor_dtypes[t] for t in run.tensors_of("activation")} == {"torch.float64"}

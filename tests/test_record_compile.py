@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import ampviz
 from ampviz._warnings import AmpvizWarning
+from ampviz.run import KINDS
 
 # inductor compiles C++ on the CPU (about 40 s the first time)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
@@ -140,8 +141,8 @@ def test_hooks_traced_by_a_compile_the_recorder_was_not_told_about_stand_down_an
     assert breaks == base_breaks == 0
     assert all(torch.equal(a, b) for a, b in zip(base, weights))
     run = rec.run
-    weights_rows = [t for t, k in enumerate(run.tensor_kinds) if k == "weight"]
-    others = [t for t, k in enumerate(run.tensor_kinds) if k != "weight"]
+    weights_rows = run.tensors_of("weight")
+    others = run.tensors_of(sorted(set(KINDS) - {"weight"}))
     assert (run.counts[0][:, weights_rows].sum(axis=-1) == [p.numel() for p in build().parameters()]).all()
     assert run.counts[0][:, others].sum() == 0               # nothing counted inside the graph
     forward = next(c for c in run.diagnose()["checks"] if c["check"].startswith("forward overflow"))

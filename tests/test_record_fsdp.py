@@ -38,8 +38,7 @@ def test_fsdp2_local_shard_counts_add_up_to_the_full_gradient(tmp_path, capfd):
         spawn_fsdp(tmp_path := tmp_path.with_name("again"))
     run = ampviz.Run.load(tmp_path)
     assert run.ranks == [0, 1] and run.meta["world_size"] == 2
-    weights = [i for i, k in enumerate(run.tensor_kinds) if k == "weight"]
-    acts = [i for i, k in enumerate(run.tensor_kinds) if k == "activation"]
+    weights, acts = run.tensors_of("weight"), run.tensors_of("activation")
     n = len(weights)
     assert run.tensor_names[:n] == [name for name, _ in _fsdp_worker.model().named_parameters()]
     unsharded = np.load(tmp_path / "unsharded0.npy")                   # (steps, 2 n, NBINS)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import stat
 import zipfile
 from dataclasses import replace
@@ -229,3 +230,135 @@ def test_a_rank_saved_in_parts_loads_beside_a_shorter_rank(tmp_path):
     assert run.n_steps == 6
     np.testing.assert_array_equal(run.counts[0], longer.counts[0, :6])
     np.testing.assert_array_equal(Run.load(tmp_path / "rank0.npz").counts, longer.counts)
+
+
+# ---------------------------------------------------------------- the read API: rank ids, one domain default, kinds
+def two_ranks():
+    """A 2-rank run whose rank ids (1, 3) are not their positions (0, 1), each rank with its own scales: ranks 1
+    and 3 of a 4-rank job."""
+    with pytest.warns(AmpvizWarning, match=r"2 of 4 ranks found: \[1, 3\]"):
+        return Run.merge([make_run(rank=3, world=4, scale_log2=(20, 3, 3, 9, 9, 9)), make_run(rank=1, world=4)])
+
+
+def test_a_run_s_ranks_can_be_ids_that_are_not_positions():
+    run = two_ranks()
+    assert run.ranks == [1, 3] and run.rank_index(3) == 1
+    assert not np.array_equal(run.counts[0], run.counts[1]) and not np.array_equal(run.loss_scale[0],
+                                                                                  run.loss_scale[1])
+
+
+@pytest.mark.parametrize("domain", ["unscaled", "scaled", "recorded"])
+def test_every_reader_takes_rank_as_an_id(domain):
+    run = two_ranks()
+    full = run.counts_in(domain)                                                     # (R, H, T, NBINS)
+    for pos, rank in enumerate(run.ranks):
+        np.testing.assert_array_equal(run.counts_for(domain, rank=rank), full[pos])
+        np.testing.assert_array_equal(run.tensor_counts("act", domain, rank=rank), full[pos, :, 1])
+        np.testing.assert_array_equal(run.pooled_counts(domain, rank=rank), full[pos].sum(axis=1))
+        np.testing.assert_array_equal(run.counts_at(2, domain, rank=rank), full[pos, 2])
+        np.testing.assert_array_equal(run.histogram(4, "w", rank=rank, domain=domain), full[pos, 4, 0])
+    # rank 1 is the first rank, at position 0; rank 3 at position 1 (by id, not by position)
+    np.testing.assert_array_equal(run.tensor_counts("w", domain, rank=3), full[1, :, 0])
+    # the default is the first rank
+    np.testing.assert_array_equal(run.pooled_counts(domain), full[0].sum(axis=1))
+    np.testing.assert_array_equal(run.histogram(4, "act", domain=domain), full[0, 4, 1])
+
+
+@pytest.mark.parametrize("reader", [
+    lambda run, **kw: run.counts_for("scaled", **kw),
+    lambda run, **kw: run.tensor_counts("w", "scaled", **kw),
+    lambda run, **kw: run.pooled_counts("scaled", **kw),
+    lambda run, **kw: run.counts_at(0, "scaled", **kw),
+    lambda run, **kw: run.histogram(0, "w", **kw),
+], ids=["counts_for", "tensor_counts", "pooled_counts", "counts_at", "histogram"])
+def test_a_rank_position_is_not_a_rank_id(reader):
+    run = two_ranks()
+    with pytest.raises(KeyError, match=r"rank: 0 not in this run; ranks: \[1, 3\]"):
+        reader(run, rank=0)                         # position 0 holds rank 1: 0 is no rank id here
+
+
+def test_the_positional_rank_index_still_works_deprecated():
+    run = two_ranks()
+    full = run.counts_in("scaled")
+    with pytest.warns(DeprecationWarning, match=r"rank_index .* is deprecated; pass rank= with a rank id, one of "
+                                                r"\[1, 3\]"):
+        got = run.pooled_counts("scaled", 1)       # the old call: position 1 (rank 3)
+    np.testing.assert_array_equal(got, full[1].sum(axis=1))
+    with pytest.warns(DeprecationWarning):
+        np.testing.assert_array_equal(run.tensor_counts("act", "scaled", 1), full[1, :, 1])
+    with pytest.warns(DeprecationWarning):
+        np.testing.assert_array_equal(run.counts_at(3, "scaled", rank_index=0), full[0, 3])
+    with pytest.raises(TypeError, match="tensor_counts: pass rank= .* or rank_index= .*, not both"):
+        run.tensor_counts("w", "scaled", 0, rank=1)
+    with pytest.warns(DeprecationWarning), pytest.raises(IndexError, match="rank_index: 2 is not a position among 2"):
+        run.counts_at(0, "scaled", 2)
+
+
+@pytest.mark.parametrize("domain", ["unscaled", "scaled", "recorded"])
+def test_counts_for_selects_like_slicing_counts_in(domain):
+    run = two_ranks()
+    full = run.counts_in(domain)                                                     # (R, H, T, NBINS)
+    np.testing.assert_array_equal(run.counts_for(domain), full)
+    np.testing.assert_array_equal(run.counts_for(domain, step=3), full[:, 3])
+    np.testing.assert_array_equal(run.counts_for(domain, tensors="act"), full[:, :, 1])
+    np.testing.assert_array_equal(run.counts_for(domain, tensors=["act", 0]), full[:, :, [1, 0]])
+    np.testing.assert_array_equal(run.counts_for(domain, kind="weight"), full[:, :, [0]])
+    np.testing.assert_array_equal(run.counts_for(domain, pooled=True), full.sum(axis=2))
+    np.testing.assert_array_equal(run.counts_for(domain, rank=3, step=5, tensors="w"), full[1, 5, 0])
+    np.testing.assert_array_equal(run.counts_for(domain, rank=1, step=2, pooled=True), full[0, 2].sum(axis=0))
+    np.testing.assert_array_equal(run.counts_for(domain, rank=3, kind="activation", pooled=True),
+                                  full[1][:, [1]].sum(axis=1))
+    out = run.counts_for(domain, rank=1)
+    out[...] = -1                                                        # a copy: the run's counts are untouched
+    assert (run.counts >= 0).all()
+
+
+def test_every_reader_defaults_to_the_unscaled_domain():
+    import inspect
+    run = two_ranks()
+    for name in ("counts_for", "counts_in", "tensor_counts", "pooled_counts", "counts_at", "histogram", "fate_in",
+                 "to_pandas"):
+        assert inspect.signature(getattr(run, name)).parameters["domain"].default == "unscaled", name
+    np.testing.assert_array_equal(run.counts_for(), run.counts_in("unscaled"))
+    np.testing.assert_array_equal(run.pooled_counts(), run.pooled_counts("unscaled"))
+    np.testing.assert_array_equal(run.histogram(4, "act"), run.counts_in("unscaled")[0, 4, 1])
+    # fate_in's default changed from "scaled": here the two differ (the activations' scaled values overflow fp16)
+    default, unscaled, scaled = run.fate_in("fp16"), run.fate_in("fp16", "unscaled"), run.fate_in("fp16", "scaled")
+    np.testing.assert_array_equal(default.flushed, unscaled.flushed)
+    np.testing.assert_array_equal(default.overflow, unscaled.overflow)
+    assert not np.array_equal(default.flushed, scaled.flushed)
+
+
+def test_tensors_of_selects_by_kind():
+    kinds = ["weight", "activation", "output", "weight"]
+    run = Run(np.arange(2), np.zeros((1, 2)), np.ones((1, 2)), np.ones((1, 2)), np.zeros((1, 2), bool), np.arange(2),
+              np.zeros((1, 2, 4, H.NBINS), np.int64), ["a", "b", "c", "d"], kinds, [""] * 4, {"ranks": [0]})
+    assert run.tensors_of("weight") == [0, 3] and run.tensors_of("output") == [2]
+    assert run.tensors_of("weight_local") == []                           # a kind this run did not record
+    assert run.tensors_of(("activation", "weight")) == [0, 1, 3]          # recording order, not the tuple's
+    assert run.tensors_of({"output"}) == [2]
+    assert run.tensor_indices(kind="weight") == run.tensors_of("weight")
+    for bad in ("gradient", ["weight", "grad"], [], 3, None):
+        with pytest.raises(ValueError, match=r"kind: expected one of \['weight', 'activation', 'weight_local', "
+                                             r"'output'\] \(or a list of them\), got " + re.escape(repr(bad))):
+            run.tensors_of(bad)
+
+
+def test_read_errors_name_the_argument_the_value_and_what_is_valid():
+    run = two_ranks()
+    with pytest.raises(ValueError, match=r"domain: expected one of .*'unscaled'.*'scaled'.*'recorded'.*got 'raw'"):
+        run.counts_for("raw")
+    with pytest.raises(ValueError, match=r"domain: expected one of .*got 'raw'"):
+        run.fate_in("fp16", "raw")
+    with pytest.raises(ValueError, match=r"kind: expected one of \['activation', 'weight'\] or None, got 'output'"):
+        run.counts_for(kind="output")
+    with pytest.raises(KeyError, match="step: 99 has no histogram"):
+        run.counts_for(step=99)
+    with pytest.raises(KeyError, match="tensor: no tensor named 'nope'; recorded: w, act"):
+        run.counts_for(tensors=["w", "nope"])
+    with pytest.raises(ValueError, match="pooled: a single tensor \\('w'\\) has nothing to sum"):
+        run.counts_for(tensors="w", pooled=True)
+    with pytest.raises(TypeError, match="pooled: expected True or False, got 'yes'"):
+        run.counts_for(pooled="yes")
+    with pytest.raises(ValueError, match=r"tensors: the selection \[\] is empty"):
+        run.counts_for(tensors=[])

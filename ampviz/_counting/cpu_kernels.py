@@ -33,7 +33,7 @@ from .ops import NBINS, dense_flat, prepare
 try:
     from numba import njit
 except ImportError:                                   # pragma: no cover - depends on the platform
-    njit = None
+    njit = None  # type: ignore[assignment]
 
 __all__ = ["available", "NumbaCounter"]
 
@@ -294,7 +294,8 @@ def _balance(pieces: list, threads: int) -> list:
     """Pieces grouped into ``threads`` lists of about equal size (they arrive as contiguous shares)."""
     total = sum(p[0].size for p in pieces)
     share = -(-total // threads)
-    groups, pos = [[] for _ in range(threads)], 0
+    groups: list[list] = [[] for _ in range(threads)]
+    pos = 0
     for p in pieces:
         groups[min(threads - 1, pos // share)].append(p)
         pos += p[0].size

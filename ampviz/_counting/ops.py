@@ -72,7 +72,7 @@ class Binner:
         self._fill = 0
         self.target: torch.Tensor | None = None
         self.threads = max(1, torch.get_num_threads() if threads is None else int(threads))
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
         self._offsets: dict = {}          # group offsets per (row, size) layout: the same every step
 
     def add(self, x: torch.Tensor, row: int) -> None:
@@ -163,14 +163,16 @@ class Binner:
         self._fill = 0
 
     def _count_parallel(self, keys: torch.Tensor) -> None:
+        target = self.target
+        assert target is not None, "count: the counter has no target"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ampviz-count")
         parts = keys.tensor_split(self.threads)
-        m = self.target.numel()
+        m = target.numel()
         futures = [self._pool.submit(torch.bincount, p, None, m) for p in parts[1:]]
-        self.target.add_(torch.bincount(parts[0], minlength=m))
+        target.add_(torch.bincount(parts[0], minlength=m))
         for f in futures:
-            self.target.add_(f.result())
+            target.add_(f.result())
 
     def wait(self) -> None:
         """Kept for callers that time the capture: counting is synchronous on CPU."""

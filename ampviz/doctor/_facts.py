@@ -115,11 +115,10 @@ class Facts:
         if not isinstance(run, Run):
             raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
         self.run = run
-        kinds = run.tensor_kinds
-        self.grad_rows = [t for t, k in enumerate(kinds) if k in GRADIENT_KINDS]
-        self.output_rows = [t for t, k in enumerate(kinds) if k == "output"]
-        self.weight_rows = [t for t, k in enumerate(kinds) if k == "weight"]
-        dtypes = {run.tensor_dtypes[t] for t, k in enumerate(kinds) if k in ("activation", "output")}
+        self.grad_rows = run.tensors_of(GRADIENT_KINDS)
+        self.output_rows = run.tensors_of("output")
+        self.weight_rows = run.tensors_of("weight")
+        dtypes = {run.tensor_dtypes[t] for t in run.tensors_of(("activation", "output"))}
         self.has_scaler = bool(run.meta.get("scaler"))
         if "torch.float16" in dtypes or (self.has_scaler and "torch.bfloat16" not in dtypes):
             self.precision = "fp16"
@@ -192,7 +191,7 @@ class Facts:
             out = np.full(self.run.counts.shape[1:3], -np.inf)
             exps = np.concatenate([[-127], H.binade_exponents()])           # "below" and the binades
             for t in range(out.shape[1]):                                   # one tensor at a time
-                c = self.run.tensor_counts(t, domain, r)[:, H.BELOW:H.ABOVE] > 0       # (H, 254)
+                c = self.run.tensor_counts(t, domain, rank=self.run.ranks[r])[:, H.BELOW:H.ABOVE] > 0       # (H, 254)
                 hit = c.any(axis=1)
                 top = c.shape[1] - 1 - np.argmax(c[:, ::-1], axis=1)
                 out[:, t] = np.where(hit, exps[top], -np.inf)
@@ -218,13 +217,13 @@ class Facts:
             rec = run.grad_order[r, h].astype(float)
             order = np.where(rec >= 0, rec, np.nan)
             known = bool(np.any(rec >= 0))
-        act = {run.tensor_names[t]: t for t, k in enumerate(run.tensor_kinds) if k == "activation"}
+        act = {run.tensor_names[t]: t for t in run.tensors_of("activation")}
         n_act = len(act)
         for i, t in enumerate(act.values()):
             if np.isnan(order[t]):
                 order[t] = T + (n_act - i)               # guessed: later modules are closer to the loss
-        for t, k in enumerate(run.tensor_kinds):
-            if np.isnan(order[t]) and k in ("weight", "weight_local"):
+        for t in run.tensors_of(("weight", "weight_local")):
+            if np.isnan(order[t]):
                 module = run.tensor_names[t].removesuffix(" [local]").rsplit(".", 1)[0]
                 order[t] = order[act[module]] + 0.5 if module in act else 3 * T + t
         return np.where(np.isnan(order), 4 * T, order), known

@@ -138,7 +138,7 @@ def _next_module(facts: Facts, t: int, order: np.ndarray):
     run = facts.run
     if run.tensor_kinds[t] != "activation":
         return None
-    acts = [a for a, k in enumerate(run.tensor_kinds) if k == "activation" and order[a] < order[t]]
+    acts = [a for a in run.tensors_of("activation") if order[a] < order[t]]
     return run.tensor_names[max(acts, key=lambda a: order[a])] if acts else None
 
 

@@ -44,7 +44,7 @@ def switch_table(facts: Facts) -> dict | None:
     ok_rows = (inf[:, rows] + nan[:, rows]).sum(axis=1) == 0                     # (H,)
     if not ok_rows.any():
         return None
-    counts = {t: run.tensor_counts(t, "unscaled", 0)[ok_rows] for t in rows}     # each (H', NBINS)
+    counts = {t: run.tensor_counts(t, "unscaled")[ok_rows] for t in rows}     # each (H', NBINS)
     trace = trace_from_run(run, "fp16", tensors=facts.grad_rows) if facts.grad_rows else None
     targets, shares = [], {t: {} for t in rows}
     for label, log2s, extra in _fp16_targets(facts, trace, ok_rows):

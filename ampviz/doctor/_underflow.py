@@ -60,7 +60,7 @@ def _judged(facts: Facts) -> dict:
     out = {}
     for t in facts.grad_rows:
         kind = run.tensor_kinds[t]
-        c = run.tensor_counts(t, "scaled", 0)
+        c = run.tensor_counts(t, "scaled")
         if kind == "activation":
             if run.tensor_dtypes[t] == "torch.float16":
                 out[t] = (c, 0)
@@ -203,7 +203,7 @@ def _subnormal_after(facts: Facts, x: dict, shift: np.ndarray, steps: list) -> f
     run = facts.run
     rows = np.searchsorted(run.hist_steps, x["steps"])
     per_step = dict(zip(steps, shift))
-    c = H.shift(run.tensor_counts(x["row"], "scaled", 0)[rows], np.array([per_step[s] for s in x["steps"]]))
+    c = H.shift(run.tensor_counts(x["row"], "scaled")[rows], np.array([per_step[s] for s in x["steps"]]))
     f = H.fate(c, FP16, log2_scale=x["floor_offset"])        # DDP's average divided by 2**offset: undone
     nonzero = float(f.nonzero.sum())
     return float(f.subnormal.sum()) / nonzero if nonzero else 0.0

@@ -179,16 +179,16 @@ def median_log2(counts) -> np.ndarray:
     return np.where(total > 0, exps[at], np.nan).reshape(c.shape[:-1])
 
 
-def zero_fraction(run, kind: str = "activation", rank: int = 0) -> np.ndarray:
+def zero_fraction(run, kind: str = "activation", rank=None) -> np.ndarray:
     """(H,) share of exact zeros among the recorded values of ``kind`` at each histogram step.
 
-    ``rank`` is the rank's position in ``run.ranks``. In an fp16 run, values the backward flushed are
-    recorded as exact zeros; compare with an fp32 run of the same model to tell flushed values from
+    ``rank`` is a rank id (one of ``run.ranks``), the first rank by default. In an fp16 run, values the
+    backward flushed are recorded as exact zeros; compare with an fp32 run of the same model to tell flushed values from
     values that were zero anyway.
     """
     if kind not in run.tensor_kinds:
         raise ValueError(f"kind: the run has no {kind!r} tensors; kinds: {sorted(set(run.tensor_kinds))}")
-    return zero_share(run.pooled_counts("recorded", rank_index=rank, kind=kind))
+    return zero_share(run.pooled_counts("recorded", rank=rank, kind=kind))
 
 
 def _pooled(counts) -> np.ndarray:

@@ -61,7 +61,7 @@ def rank_comparison_figure(run: Run, format="fp16", *, tensors=None, kind=None,
         fig.add_trace(go.Scatter(x=run.steps[sk], y=np.log2(run.loss_scale[i][sk]), mode="markers",
                                  name=f"rank {rank} skipped", legendgroup=str(rank), showlegend=False,
                                  marker=dict(symbol="x", size=8, color=REGION_COLORS["overflow"])), 1, 1)
-        counts = run.pooled_counts("unscaled", i, idx)                 # (H, NBINS)
+        counts = run.pooled_counts("unscaled", rank=rank, tensors=idx)                 # (H, NBINS)
         total = counts.sum(axis=1)
         zeros = np.divide(counts[:, H.ZERO], total, out=np.zeros(total.shape), where=total > 0)
         fig.add_trace(go.Scatter(x=run.hist_steps, y=100 * zeros, name=f"rank {rank}", mode="lines", line=line,

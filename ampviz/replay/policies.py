@@ -20,6 +20,7 @@ magnitude was at least ``threshold / recorded scale``; :func:`ampviz.replay.trac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -158,11 +159,14 @@ class StaticPolicy:
 POLICIES = {p.name: p for p in (TorchPolicy, DeepSpeedPolicy, MegatronPolicy, StaticPolicy)}
 
 
+Policy = TorchPolicy | DeepSpeedPolicy | MegatronPolicy | StaticPolicy      # what replay() replays
+
+
 @dataclass
 class Replay:
     """Result of :func:`replay`: per-step arrays plus a few summaries."""
 
-    policy: object
+    policy: Policy
     scale: np.ndarray          # scale used at each step
     skipped: np.ndarray        # bool: the optimizer step would have been skipped
     grown: np.ndarray          # bool: the scale grew after this step
@@ -330,8 +334,8 @@ def _static_steps(p: StaticPolicy, mags, threshold):
     return [s] * len(mags), over, [False] * len(mags), None
 
 
-_STEPPERS = {"pytorch": _torch_steps, "deepspeed": _deepspeed_steps, "megatron": _megatron_steps,
-             "static": _static_steps}
+_STEPPERS: dict[str, Callable[..., tuple]] = {"pytorch": _torch_steps, "deepspeed": _deepspeed_steps,
+                                              "megatron": _megatron_steps, "static": _static_steps}
 
 
 def policy_from_scaler(scaler) -> TorchPolicy:

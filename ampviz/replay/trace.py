@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import histogram as H
 from ..formats import get_format
-from ..run import Run
+from ..run import KINDS, SCALE_FREE, Run
 from .policies import TorchPolicy
 
 __all__ = ["trace_from_run", "policy_from_run", "TRACE_RULES"]
@@ -62,7 +62,7 @@ def trace_from_run(run: Run, format="fp16", rank=None, tensors=None, *, return_r
     fmt = get_format(format)
     r = run.rank_index(run.ranks[0] if rank is None else rank)
     if tensors is None:        # every gradient row; forward outputs ("output" rows) are not gradients
-        idx = [t for t, kind in enumerate(run.tensor_kinds) if kind != "output"]
+        idx = run.tensors_of(sorted(set(KINDS) - SCALE_FREE))
     else:
         idx = [run.tensor_index(t) for t in tensors]
     if not idx:
@@ -98,7 +98,7 @@ def _hist_maxima(run: Run, r: int, idx: list):
     for t in idx:                        # one tensor at a time: never a copy of the whole counts array
         stored = run.counts[r, :, t]                                  # (H, NBINS), as recorded
         nonfinite |= (stored[:, H.ABOVE] > 0) | (stored[:, H.NAN] > 0)
-        c = run.tensor_counts(t, "unscaled", r)
+        c = run.tensor_counts(t, "unscaled", rank=run.ranks[r])
         nonempty = c[:, H.ZERO + 1:H.ABOVE] > 0                       # below + binades
         top = np.where(nonempty.any(axis=1), H.ABOVE - 1 - np.argmax(nonempty[:, ::-1], axis=1), -1)
         finite_max = np.maximum(finite_max, np.where(top >= 0, lower[np.maximum(top, 0)], 0.0))

@@ -147,7 +147,7 @@ def meta_problems(meta, n_ranks: int) -> list[str]:
 
 
 def _finite_number(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and np.isfinite(value)
+    return isinstance(value, Real) and not isinstance(value, bool) and np.isfinite(np.asarray(value))
 
 
 def _scaler_problems(scaler) -> list[str]:

@@ -131,7 +131,8 @@ def strict_json(value):
 def members(path, archive) -> tuple:
     """(the ``meta.npy`` member, {array name: [its parts' members, in order]}) of an archive; parts must
     run 0, 1, 2 ... without a gap. Members that are neither are left alone."""
-    meta, parts = None, {}
+    meta = None
+    parts: dict[str, dict] = {}                     # array name: {part number: member}
     for info in archive.infolist():
         if info.filename == "meta.npy":
             meta = info

@@ -100,11 +100,13 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
             small[name] = _read_small(path, archive, parts[name], name, budget, (n,))
     heads = {name: _headers(path, archive, parts[name], name, budget, (h, t) + ((NBINS,) if name == "counts" else ()))
              for name in PER_HIST[1:] if name in parts}
-    zeros = {name: np.broadcast_to(np.zeros((), DTYPES[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
-             for name in heads}
+    zeros: dict[str, np.ndarray] = {
+        name: np.broadcast_to(np.zeros((), DTYPES[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
+        for name in heads}
     try:
-        light = Run(small["steps"], hist_steps=small["hist_steps"], meta=meta, **lists,
-                    **{k: small[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped")},
+        light = Run(small["steps"], hist_steps=small["hist_steps"], meta=meta, **lists, loss=small["loss"][None],
+                    loss_scale=small["loss_scale"][None], next_scale=small["next_scale"][None],
+                    skipped=small["skipped"][None],
                     counts=zeros["counts"], grad_order=zeros.get("grad_order"),
                     scheduler_steps=small["scheduler_steps"][None] if "scheduler_steps" in small else None)
     except RunFileError as e:
@@ -184,7 +186,7 @@ def _convert(path, name: str, arr: np.ndarray, dtype) -> np.ndarray:
 def _second_pass(order: list, steps, hist_steps, budget: Budget, where) -> dict:
     """The merged arrays: per-step ones picked at the shared steps, histograms inflated into place."""
     R, Hc, T = len(order), hist_steps.size, len(order[0].light.tensor_names)
-    out = {}
+    out: dict = {}
     for name in ("loss", "loss_scale", "next_scale", "skipped", "scheduler_steps"):
         values = [getattr(r.light, name) for r in order]
         if any(v is None for v in values):

@@ -70,7 +70,7 @@ class RunFileWriter:
     def _write_whole(self, arrays: dict, meta: dict) -> None:
         members = {f"{name}.npy": arr for name, arr in arrays.items()}
         members["meta.npy"] = np.array(meta_text(meta, SCHEMA_ONE_PIECE))
-        written = {}
+        written: dict = {}
         atomic_write(self.target, lambda f: written.update(entries=_write_archive(f, members)))
         self._entries = [e for e in written["entries"] if e.name != "meta.npy"]
         self.parts = 1

@@ -18,10 +18,13 @@ and, when the recorder had them (None otherwise)::
 
 plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
-multiplied by the loss scale. :meth:`Run.counts_in` gives either view of both::
+multiplied by the loss scale. :meth:`Run.counts_for` reads any selection in either view (``rank=`` is a rank
+id, one of ``run.ranks``, in every reader; the domain defaults to "unscaled" in every reader)::
 
     run = ampviz.Run.load("runs/demo")          # a file, or a directory of rank files
     run.counts_in("unscaled")                   # (R, H, T, NBINS)
+    run.counts_for("scaled", rank=1, kind="activation", pooled=True)     # (H, NBINS)
+    run.tensors_of("weight")                    # indices of the weight gradients' rows
     run.to_pandas()                             # tidy: rank, step, tensor, kind, bin, count
 """
 
@@ -150,53 +153,135 @@ class Run:
             return 0
         return -1 if domain == "unscaled" else 1
 
-    def tensor_counts(self, tensor, domain: str = "unscaled", rank_index: int = 0) -> np.ndarray:
-        """(H, NBINS) counts of one tensor (name or index) of one rank (by position) in ``domain``."""
-        t = self.tensor_index(tensor)
-        c = self.counts[rank_index, :, t]
-        sign = self._shift_sign(t, domain)
-        return H.shift(c, sign * self.log2_scales()[rank_index]) if sign else c
+    # ------------------------------------------------------------------ the read API
+    # One convention for every reader: ``domain`` is the first argument after what is read (a tensor, a format),
+    # "unscaled" by default; ``rank=`` is a rank id (one of ``run.ranks``), never a position; ``tensors=`` names
+    # tensors (names or indices) and ``kind=`` narrows them to one kind (``KINDS``). Positions along the rank and
+    # histogram axes are private: ``rank_index`` and ``hist_index`` translate ids to them for the raw arrays.
+    def counts_for(self, domain: str = "unscaled", *, rank=None, tensors=None, kind=None, step=None,
+               pooled: bool = False) -> np.ndarray:
+        """Counts in ``domain`` ("unscaled", "scaled" or "recorded": as stored), of a selection.
 
-    def pooled_counts(self, domain: str = "unscaled", rank_index: int = 0, tensors=None, kind=None) -> np.ndarray:
-        """(H, NBINS) counts summed over tensors (names/indices, default all; optionally of one ``kind``).
+        The full answer is ``(R, H, T, NBINS)``: every rank, histogram step and tensor. Each selector drops or
+        narrows one axis: ``rank=`` a rank id drops the rank axis; ``step=`` a step with a histogram drops the
+        step axis; ``tensors=`` a name or index drops the tensor axis, a list keeps it (in the list's order);
+        ``kind=`` keeps only that kind's tensors; ``pooled=True`` sums the selected tensors (drops the tensor
+        axis). Tensors are summed per stored domain before the one shift into ``domain`` (a shift is linear), so
+        ``pooled`` never copies the unselected counts::
 
-        Equal to ``counts_in(domain)[rank_index][:, tensors].sum(axis=1)``, without copying the whole
-        counts array: tensors are summed per stored domain, then shifted once (a shift is linear).
+            run.counts_for("scaled", rank=1, kind="activation", pooled=True)    # (H, NBINS)
+            run.counts_for(step=40, tensors="head.weight")                      # (R, NBINS)
         """
+        check_choice("domain", domain, VIEWS)
+        if not isinstance(pooled, (bool, np.bool_)):
+            raise TypeError(f"pooled: expected True or False, got {pooled!r}")
+        single = tensors is not None and not isinstance(tensors, (list, tuple))
+        if single and pooled:
+            raise ValueError(f"pooled: a single tensor ({tensors!r}) has nothing to sum; pass a list of tensors")
         idx = self.tensor_indices(tensors, kind)
         if not idx:
-            raise ValueError("tensors: the selection is empty")
-        counts = self.counts[rank_index]                                           # (H, T, NBINS)
-        total = np.zeros((counts.shape[0], H.NBINS), dtype=np.int64)
-        for sign in (0, -1, 1):
-            group = [t for t in idx if self._shift_sign(t, domain) == sign]
-            if group:
-                part = counts[:, group].sum(axis=1)
-                total += H.shift(part, sign * self.log2_scales()[rank_index]) if sign else part
-        return total
+            raise ValueError(f"tensors: the selection {tensors!r} is empty")
+        p = None if rank is None else self.rank_index(rank)
+        i = None if step is None else self.hist_index(step)
+        r = slice(None) if p is None else slice(p, p + 1)                # slices: views until the tensors are picked
+        h = slice(None) if i is None else slice(i, i + 1)
+        # (R', H') shifts into ``domain``; "recorded" shifts nothing (and reads no scale)
+        log2s = self.log2_scales()[r][:, h] if domain != "recorded" else np.zeros((1, 1), np.int64)
+        if pooled:
+            parts = []
+            for sign in (0, -1, 1):
+                group = [t for t in idx if self._shift_sign(t, domain) == sign]
+                if group:
+                    part = self.counts[r][:, h][:, :, group].sum(axis=2, dtype=np.int64)   # (R', H', NBINS)
+                    parts.append(H.shift(part, sign * log2s) if sign else part)
+            out = parts[0]
+            for part in parts[1:]:
+                out = out + part
+        else:
+            t = slice(None) if idx == list(range(len(self.tensor_names))) else idx
+            out = self.counts[r][:, h][:, :, t]
+            signs = np.array([self._shift_sign(i, domain) for i in idx], dtype=np.int64)   # (T',)
+            if signs.any():
+                out = H.shift(out, log2s[:, :, None] * signs[None, None, :])
+            if np.may_share_memory(out, self.counts):
+                out = out.copy()                                                  # never a view of the run's array
+            if single:
+                out = out[:, :, 0]
+        if step is not None:
+            out = out[:, 0]
+        if rank is not None:
+            out = out[0]
+        return out
 
-    def counts_at(self, row: int, domain: str = "unscaled", rank_index: int = 0) -> np.ndarray:
-        """(T, NBINS) counts of every tensor at histogram row ``row`` of one rank in ``domain``."""
+    def tensors_of(self, kind) -> list:
+        """Indices of the tensors of ``kind`` (one of ``KINDS``, or a list/tuple/set of them), in recording order;
+        empty if the run recorded none of that kind. ``run.tensors_of("activation")`` replaces
+        ``[t for t, k in enumerate(run.tensor_kinds) if k == "activation"]``."""
+        kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, (list, tuple, set, frozenset)) \
+            else None
+        bad = None if kinds is None else sorted(k for k in kinds if k not in KINDS)
+        if kinds is None or bad or not kinds:
+            raise ValueError(f"kind: expected one of {list(KINDS)} (or a list of them), got {kind!r}")
+        return [t for t, k in enumerate(self.tensor_kinds) if k in kinds]
+
+    def _rank_pos(self, rank, rank_index, method: str) -> int:
+        """The position of ``rank=`` (an id; the first rank by default), or of the deprecated ``rank_index``."""
+        if rank_index is None:
+            return 0 if rank is None else self.rank_index(rank)
+        if rank is not None:
+            raise TypeError(f"{method}: pass rank= (a rank id) or rank_index= (deprecated, a position), not both")
+        warnings.warn(f"{method}: rank_index (a position along the rank axis) is deprecated; pass rank= with a "
+                      f"rank id, one of {self.ranks}", DeprecationWarning, stacklevel=3)
+        if not isinstance(rank_index, (int, np.integer)) or not -len(self.ranks) <= rank_index < len(self.ranks):
+            raise IndexError(f"rank_index: {rank_index!r} is not a position among {len(self.ranks)} ranks")
+        return int(rank_index) % len(self.ranks)
+
+    def tensor_counts(self, tensor, domain: str = "unscaled", rank_index=None, *, rank=None) -> np.ndarray:
+        """(H, NBINS) counts of one tensor (name or index) of one rank (an id, default the first) in ``domain``.
+
+        The same as ``counts_for(domain, rank=rank, tensors=tensor)``. ``rank_index`` (a position) is deprecated.
+        """
+        r = self._rank_pos(rank, rank_index, "tensor_counts")
+        t = self.tensor_index(tensor)
+        c = self.counts[r, :, t]
+        sign = self._shift_sign(t, domain)
+        return H.shift(c, sign * self.log2_scales()[r]) if sign else c
+
+    def pooled_counts(self, domain: str = "unscaled", rank_index=None, tensors=None, kind=None, *,
+                      rank=None) -> np.ndarray:
+        """(H, NBINS) counts summed over tensors (names/indices, default all; optionally of one ``kind``) of one
+        rank (an id, default the first).
+
+        The same as ``counts_for(domain, rank=rank, tensors=tensors, kind=kind, pooled=True)``, without copying the
+        whole counts array. ``rank_index`` (a position, the second positional argument) is deprecated.
+        """
+        r = self._rank_pos(rank, rank_index, "pooled_counts")
+        if tensors is not None and not isinstance(tensors, (list, tuple)):
+            tensors = [tensors]
+        return self.counts_for(domain, rank=self.ranks[r], tensors=tensors, kind=kind, pooled=True)
+
+    def counts_at(self, row: int, domain: str = "unscaled", rank_index=None, *, rank=None) -> np.ndarray:
+        """(T, NBINS) counts of every tensor at histogram row ``row`` (a position in ``hist_steps``) of one rank
+        (an id, default the first) in ``domain``. ``counts_for(domain, rank=rank, step=step)`` takes the step
+        instead of its row. ``rank_index`` (a position) is deprecated."""
+        r = self._rank_pos(rank, rank_index, "counts_at")
         signs = np.array([self._shift_sign(t, domain) for t in range(len(self.tensor_names))], dtype=np.int64)
-        return H.shift(self.counts[rank_index, row], signs * self.log2_scales()[rank_index, row])
+        return H.shift(self.counts[r, row], signs * self.log2_scales()[r, row])
 
     def counts_in(self, domain: str = "unscaled") -> np.ndarray:
         """(R, H, T, NBINS) counts with every tensor in ``domain``: "unscaled", "scaled", or "recorded"
-        (as stored). A copy of the whole array: for one tensor or a sum of tensors, use
-        :meth:`tensor_counts` or :meth:`pooled_counts`.
+        (as stored, not a copy). The same as ``counts_for(domain)``; for one tensor or a sum of tensors, select
+        with :meth:`counts_for` (``tensors=``, ``kind=``, ``pooled=``), which copies only the selection.
         """
         check_choice("domain", domain, VIEWS)
         if domain == "recorded":
             return self.counts
-        out = self.counts.copy()
-        for t in range(len(self.tensor_names)):
-            sign = self._shift_sign(t, domain)
-            if sign:
-                out[:, :, t] = H.shift(self.counts[:, :, t], sign * self.log2_scales())
-        return out
+        return self.counts_for(domain)
 
     def tensor_indices(self, tensor=None, kind=None) -> list:
-        """Indices selected by a tensor name/index (or a list of them) and/or a kind; all by default."""
+        """Indices selected by a tensor name/index (or a list of them) and/or a kind; all by default.
+
+        ``kind`` must be one this run recorded; :meth:`tensors_of` lists a kind's tensors, empty or not."""
         if tensor is None:
             idx = list(range(len(self.tensor_names)))
         elif isinstance(tensor, (list, tuple)):
@@ -213,9 +298,10 @@ class Run:
         return idx
 
     def histogram(self, step, tensor, rank=None, domain: str = "unscaled") -> np.ndarray:
-        """(NBINS,) counts of one tensor at one step (rank defaults to the first)."""
+        """(NBINS,) counts of one tensor at one step of one rank (an id, default the first) in ``domain``:
+        ``counts_for(domain, rank=rank, tensors=tensor, step=step)`` for one rank."""
         r = 0 if rank is None else self.rank_index(rank)
-        return self.tensor_counts(tensor, domain, r)[self.hist_index(step)]
+        return self.tensor_counts(tensor, domain, rank=self.ranks[r])[self.hist_index(step)]
 
     def select(self, rank=None, tensors=None) -> Run:
         """A Run restricted to one rank and/or some tensors (names or indices)."""
@@ -233,8 +319,11 @@ class Run:
                        scheduler_steps=sched)
 
     # ------------------------------------------------------------------ summaries
-    def fate_in(self, format, domain: str = "scaled") -> H.Fate:
+    def fate_in(self, format, domain: str = "unscaled") -> H.Fate:
         """What a cast to ``format`` does to every tensor's values in ``domain``: a Fate of (R, H, T) counts.
+
+        ``domain`` defaults to "unscaled", like every reader of a Run (up to 0.1.0 it defaulted to "scaled";
+        pass ``"scaled"`` for what a cast inside the scaled backward does to the values as computed).
 
         Equal to ``histogram.fate(counts_in(domain), format, 1.0)`` but without the copy: each row is
         judged at the log2 scale that moves it into ``domain`` (values below 2**-126 are judged by that

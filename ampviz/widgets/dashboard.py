@@ -148,7 +148,7 @@ class RunDashboard(W.VBox):
         domain, sel = self.domain_buttons.value, tuple(self.selection)
         key = (r, domain, sel)
         if key not in self._cache:
-            counts = self.run.pooled_counts(domain, r, sel)
+            counts = self.run.pooled_counts(domain, rank=self.rank_dropdown.value, tensors=sel)
             log2s = self.run.log2_scales()[r] if domain == "unscaled" else np.zeros(counts.shape[0], np.int64)
             rows = heatmap_rows(counts)
             self._cache[key] = {"counts": counts, "log2s": log2s, "rows": rows,

@@ -178,7 +178,7 @@ def as_counts_source(source, *, step=None, tensor=None, kind=None, rank=None):
             raise ValueError("source: the run has no histogram steps (recorded with no steps, or every > steps)")
         r = source.rank_index(source.ranks[0] if rank is None else rank)
         idx = source.tensor_indices(tensor, kind)
-        counts = source.pooled_counts("unscaled", r, idx)
+        counts = source.pooled_counts("unscaled", rank=source.ranks[r], tensors=idx)
         if len(idx) == 1:
             who = f"{source.tensor_names[idx[0]]}"
         else:

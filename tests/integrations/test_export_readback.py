@@ -60,7 +60,7 @@ def offline_wandb(tmp_path, monkeypatch):
 
 def assert_tensorboard_holds(acc, run, rank_index=0, domain="recorded", prefix="ampviz"):
     for h, step in enumerate(run.hist_steps.tolist()):
-        counts = run.counts_at(h, domain, rank_index)
+        counts = run.counts_at(h, domain, rank=run.ranks[rank_index])
         for t, (name, kind) in enumerate(zip(run.tensor_names, run.tensor_kinds)):
             np.testing.assert_array_equal(tensorboard_row(acc, prefix, kind, name, step), counts[t],
                                           err_msg=f"{name} at step {step}")
@@ -93,7 +93,7 @@ def test_tensorboard_in_the_unscaled_domain(tmp_path, fp16_run):
 
 def test_bf16_gradients_beyond_the_fp16_range_survive_the_export(tmp_path):
     run = record(torch.bfloat16, steps=3, loss_factor=2.0 ** 24)             # bf16 activation gradients > 65504
-    act = [t for t, k in enumerate(run.tensor_kinds) if k == "activation"]
+    act = run.tensors_of("activation")
     assert run.counts[0][:, act, H.column(16):H.ABOVE].sum() > 0
     to_tensorboard(run, tmp_path / "tb")
     assert_tensorboard_holds(read_tensorboard(tmp_path / "tb"), run)
