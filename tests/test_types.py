@@ -10,9 +10,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the core whose annotations are checked: the run and its file format, the histogram and formats, the replayed
-# loss-scaler policies, the counting backends
-PACKAGES = ("ampviz/run", "ampviz/histogram.py", "ampviz/formats.py", "ampviz/replay", "ampviz/_counting")
+# the core whose annotations are checked: the recorder, the run and its file format, the histogram and formats, the
+# replayed loss-scaler policies, the counting backends, the doctor
+PACKAGES = ("ampviz/record", "ampviz/run", "ampviz/histogram.py", "ampviz/formats.py", "ampviz/replay",
+            "ampviz/_counting", "ampviz/doctor")
 
 pytestmark = [
     pytest.mark.slow,

@@ -128,13 +128,13 @@ class Facts:
             self.precision = "fp32"
         self.grad_format = get_format(self.precision)
         self.hist_pos = np.searchsorted(run.steps, run.hist_steps)          # (H,) step position of each row
-        self._cache = {}
+        self._cache: dict = {}
 
     @property
     def n_ranks(self) -> int:
         return len(self.run.ranks)
 
-    def row_of_step(self, position: int) -> int | None:
+    def row_of_step(self, position: int | np.integer) -> int | None:
         """The histogram row of the step at ``position`` in ``run.steps``, or None."""
         h = int(np.searchsorted(self.hist_pos, position))
         return h if h < self.hist_pos.size and self.hist_pos[h] == position else None
@@ -188,7 +188,7 @@ class Facts:
         -inf where a row holds no finite non-zero value."""
         key = ("top", r, domain)
         if key not in self._cache:
-            out = np.full(self.run.counts.shape[1:3], -np.inf)
+            out = np.full(tuple(self.run.counts.shape[1:3]), -np.inf)
             exps = np.concatenate([[-127], H.binade_exponents()])           # "below" and the binades
             for t in range(out.shape[1]):                                   # one tensor at a time
                 c = self.run.tensor_counts(t, domain, rank=self.run.ranks[r])[:, H.BELOW:H.ABOVE] > 0       # (H, 254)
@@ -202,7 +202,7 @@ class Facts:
         """Binade exponent from which a scaled gradient counts as "at the edge" of overflowing."""
         return self.grad_format.emax - EDGE_BINADES
 
-    def backward_rank(self, r: int, h: int) -> np.ndarray:
+    def backward_rank(self, r: int, h: int) -> tuple[np.ndarray, bool]:
         """(T,) position of each tensor in the backward order of row ``h`` (smaller: closer to the loss),
         and whether that order was recorded (False: guessed from module order).
 

@@ -40,7 +40,8 @@ def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
 
 
 def _overflowing_outputs(facts: Facts) -> list[dict]:
-    run, groups = facts.run, {}
+    run = facts.run
+    groups: dict = {}
     for r in range(facts.n_ranks):
         inf, nan = facts.nonfinite(r)
         for h in range(run.hist_steps.size):

@@ -55,7 +55,7 @@ def _rank_causes(facts: Facts, r: int) -> list[dict]:
     positions = np.flatnonzero(run.skipped[r] | bad_loss)
     positions = np.union1d(positions, facts.hist_pos[bad_rows]).astype(int)
     clean_rows = np.flatnonzero(~bad_rows & ~run.skipped[r][facts.hist_pos] & ~bad_loss[facts.hist_pos])
-    out = []
+    out: list[dict] = []
     for p in positions:
         h = facts.row_of_step(p)
         entry = {"step": int(run.steps[p]), "rank": run.ranks[r], "skipped": bool(run.skipped[r, p]),
@@ -120,7 +120,8 @@ def _sources(facts: Facts, bad: list, order: np.ndarray) -> list:
     acts = sorted((t for t in facts.grad_rows if run.tensor_kinds[t] == "activation"), key=lambda t: order[t])
     nearer = {t: (acts[i - 1] if i else None) for i, t in enumerate(acts)}
     module_row = {run.tensor_names[t]: t for t in acts}
-    bad_set, out = set(bad), []
+    bad_set = set(bad)
+    out: list[dict] = []
     for t in bad:
         if run.tensor_kinds[t] == "activation":
             started = nearer[t] is None or nearer[t] not in bad_set
@@ -142,7 +143,7 @@ def _next_module(facts: Facts, t: int, order: np.ndarray):
     return run.tensor_names[max(acts, key=lambda a: order[a])] if acts else None
 
 
-def _edge_gap(facts: Facts, r: int, h: int, p: int, clean_rows: np.ndarray, t: int) -> float:
+def _edge_gap(facts: Facts, r: int, h: int, p: int | np.integer, clean_rows: np.ndarray, t: int) -> float:
     """Binades between the largest finite scaled value of tensor ``t`` at row ``h`` (or on the clean
     neighbouring rows, at this step's scale) and the edge of the format; <= 0 means at the edge."""
     own = facts.finite_top(r, "scaled")[h, t]
@@ -176,17 +177,18 @@ def _cause(e: dict, bad_loss: bool, h) -> str:
             if cause == "forward":
                 e["forward_reason"] = "output gradient"
             return cause
+    return "unknown"
 
 
 # ---------------------------------------------------------------------------------------- findings
 def nonfinite_findings(facts: Facts, causes: list[dict]) -> list[dict]:
     """One error per module whose backward made non-finite gradients that the loss scale does not explain, named
     by the first tensor that held them (a layer's output gradient before its weights': it carries them on)."""
-    groups = {}
+    groups: dict = {}
     for e in causes:
         if e["cause"] == "forward":
             continue
-        made = {}
+        made: dict = {}
         for src in e["sources"]:
             if src["cause"] == "not the loss scale":
                 made.setdefault(_made_in(src), []).append(src)
@@ -270,7 +272,7 @@ CLIP_TEXT = {"inf norm": "every weight gradient holds only nan and zeros, as cli
 
 def clip_lines(entries) -> list[str]:
     """One line per way clipping rewrote the weight gradients of these steps (``CLIP_TEXT``), with the steps."""
-    by = {}
+    by: dict = {}
     for e in entries:
         if e.get("clipped"):
             by.setdefault(e["clipped"], []).append(e["step"])

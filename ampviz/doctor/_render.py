@@ -45,7 +45,8 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
     """
     if width is None:
         width = WIDTH if "ipykernel" in sys.modules else shutil.get_terminal_size((WIDTH, 24)).columns
-    lines = [(f"{label}: {headline(diagnosis)}", None)]         # never wrapped: one line per run, for scripts
+    # the headline is never wrapped: one line per run, for scripts
+    lines: list[tuple[str, str | None]] = [(f"{label}: {headline(diagnosis)}", None)]
     for f in diagnosis["findings"]:
         lines.append((f"  [{f['severity']}] {f['check']}: {f['summary']}", "      "))
         lines += [(f"      {d}", "        ") for d in f["details"]]

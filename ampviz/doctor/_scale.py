@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from ..replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_run, replay, trace_from_run
+from ..replay.policies import Policy
 from ._facts import Facts, best_static_log2, finding, scale_text, steps_text
 from ._nonfinite import clip_lines
 
@@ -43,7 +44,7 @@ class _Scales:
         for a, b in ([self.burst] if self.burst else []) + self.collapses:
             steady[a:b] = False
         self.steady = steady
-        self._trace = None
+        self._trace: np.ndarray | None = None
 
     def _backing_off(self, runs: list):
         """(0, stop): the start of a run whose first step was skipped, until the scale settled: the skips (all by
@@ -66,11 +67,11 @@ class _Scales:
         """How clipping rewrote the weight gradients of the steps at these positions (evidence read as such)."""
         return clip_lines(self.cause[s] for s in self.run.steps[list(positions)].tolist() if s in self.cause)
 
-    def _cause(self, p: int) -> str:
+    def _cause(self, p: int | np.integer) -> str:
         e = self.cause.get(int(self.run.steps[p]))
         return e["cause"] if e else "unknown"
 
-    def _by_scale(self, p: int) -> bool:
+    def _by_scale(self, p: int | np.integer) -> bool:
         """The step at position p overflowed because of the scale (or nothing says otherwise)."""
         e = self.cause.get(int(self.run.steps[p]))
         return e is None or e["cause"] == "unknown" or e["scale_overflow"]
@@ -112,7 +113,7 @@ class _Scales:
         """Other scalers to replay: as recorded, (growing 4x less often,) DeepSpeed, Megatron, best static."""
         p = self.policy
         g = p.growth_interval
-        alts = {f"PyTorch as recorded (growth_interval {g})": p}
+        alts: dict[str, Policy] = {f"PyTorch as recorded (growth_interval {g})": p}
         if slower_growth:
             alts[f"PyTorch, growth_interval {4 * g}"] = TorchPolicy(p.init_scale, p.growth_factor, p.backoff_factor,
                                                                     4 * g)
@@ -199,7 +200,7 @@ def _collapse_finding(sc: _Scales, span: tuple[int, int]) -> dict:
     steps = run.steps[a:b].tolist()
     causes = [sc._cause(p) for p in range(a, b)]
     tally = {c: causes.count(c) for c in dict.fromkeys(causes)}
-    main = max(tally, key=tally.get)
+    main = max(tally, key=tally.__getitem__)
     # a forward overflow makes every gradient nan: name the first overflowing output, not a gradient
     origins = [sc.cause[s].get("forward_origin") if sc.cause[s]["cause"] == "forward" else sc.cause[s].get("origin")
                for s in steps if s in sc.cause]

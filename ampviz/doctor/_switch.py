@@ -46,7 +46,8 @@ def switch_table(facts: Facts) -> dict | None:
         return None
     counts = {t: run.tensor_counts(t, "unscaled")[ok_rows] for t in rows}     # each (H', NBINS)
     trace = trace_from_run(run, "fp16", tensors=facts.grad_rows) if facts.grad_rows else None
-    targets, shares = [], {t: {} for t in rows}
+    targets: list = []
+    shares: dict[int, dict] = {t: {} for t in rows}
     for label, log2s, extra in _fp16_targets(facts, trace, ok_rows):
         for t in rows:
             s = log2s if run.tensor_kinds[t] != "output" else 0       # the loss scale never reaches the forward

@@ -29,6 +29,7 @@ import numpy as np
 from .. import histogram as H
 from ..formats import FP16
 from ..replay import StaticPolicy, TorchPolicy, replay, trace_from_run
+from ..replay.policies import Policy
 from ._facts import Facts, best_static_log2, finding, percent, scale_text, steps_text
 
 BULK_SHARE = 0.5        # share of the non-zero values that are subnormal, with the floor populated: "at the floor"
@@ -175,7 +176,7 @@ def _replays(facts: Facts, flushed: list, steps: list) -> dict:
     trace = trace_from_run(run, FP16, tensors=facts.grad_rows)
     pos = np.searchsorted(run.steps, steps)
     rec_log2 = np.rint(np.log2(run.loss_scale[0][pos]))
-    policies = {"GradScaler's defaults (init 2^16, growth_interval 2000)": TorchPolicy()}
+    policies: dict[str, Policy] = {"GradScaler's defaults (init 2^16, growth_interval 2000)": TorchPolicy()}
     best = best_static_log2(trace, FP16)
     if best is not None:
         policies[f"static {scale_text(2.0 ** best)} (the largest at which no recorded step overflows)"] = \

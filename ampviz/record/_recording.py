@@ -112,7 +112,7 @@ class _Recording:
                              skip=self.late)
         path = rec.options.path
         if path is not None:
-            self.saver = Saver(rank_file(path, self.world, self.rank), rec.options.save_every,
+            self.saver = Saver(rank_file(Path(path), self.world, self.rank), rec.options.save_every,
                                rec.options.save_every_steps)
             self.term.install()
 

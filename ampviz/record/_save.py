@@ -39,7 +39,7 @@ class Saver:
         clean_stale(target)                        # temp files a killed save of this file left behind
         self.writer = RunFileWriter(target)
         self.save_every, self.save_every_steps = save_every, save_every_steps
-        self.saved = None
+        self.saved: tuple[Path, int] | None = None
         self._written = (0, 0, 0)                  # steps, histogram rows, decimations in the file
         self._last = (time.monotonic(), 0)         # when, and at which step, the last save was
         self._failing = False                      # the last periodic save failed (warned once)

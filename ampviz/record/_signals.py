@@ -53,7 +53,8 @@ def held_signals(what: str):
     if threading.current_thread() is not threading.main_thread() or getattr(_holding, "active", False):
         yield
         return
-    pending, handlers = [], {}
+    pending: list[int] = []
+    handlers: dict = {}
 
     def hold(signum, frame):
         if not pending:

@@ -8,6 +8,8 @@ Lightning's optimizer and scheduler wrappers)::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -31,7 +33,7 @@ def is_compiled(module) -> bool:
     return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
 
 
-def unwrap_model(model: nn.Module):
+def unwrap_model(model: Any):
     """(the module whose parameters train, its DDP wrapper or None, whether it runs compiled)."""
     ddp, compiled = None, False
     while True:
@@ -80,7 +82,7 @@ def unwrap_scheduler(scheduler):
 
 def compiled_modules(model) -> set:
     """ids of the modules that run inside a torch.compile region."""
-    inside = set()
+    inside: set[int] = set()
     for _, m in model.named_modules():
         if is_compiled(m):
             inside.update(id(s) for s in m.modules())
