@@ -15,6 +15,7 @@ import torch.optim.optimizer as optim_module
 import ampviz
 from ampviz import histogram as H
 from ampviz._warnings import AmpvizWarning
+from ampviz.doctor import diagnose
 
 
 def tiny(seed=0):
@@ -241,6 +242,38 @@ def test_a_gradscaler_the_loop_never_uses_is_said_to_be_unused_at_the_first_step
     assert "its scale stays 8" in said[0] and "micro-batch" not in said[0]
     assert real.get_scale() < 2.0 ** 30                  # the real scaler did skip steps
     assert vars(unused).get("step") is None               # its step() is the class's again
+
+
+def test_a_saved_run_says_its_gradscaler_never_stepped_and_the_doctor_reads_no_scale_from_it(tmp_path):
+    """Issue 17, item 5, read from the file: the warning is gone once the run is saved, so the run says how often
+    the watched scaler stepped, and the doctor names a bystander's scale instead of judging it."""
+    runs = {}
+    for name in ("unused", "used"):
+        model = tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        real = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)
+        watched = torch.amp.GradScaler("cpu", init_scale=8.0) if name == "unused" else real
+        g = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AmpvizWarning)
+            with ampviz.Recorder(model, opt, scaler=watched, path=tmp_path / f"{name}.npz") as rec:
+                for _ in range(6):
+                    loss = fp16_step(model, opt, real, g)
+                    real.step(opt)
+                    real.update()
+                    opt.zero_grad()
+                    rec.step(loss)
+        runs[name] = ampviz.Run.load(tmp_path / f"{name}.npz")
+    assert runs["unused"].meta["scaler"]["steps_called"] == 0
+    assert runs["used"].meta["scaler"]["steps_called"] == 6
+    bad, good = (diagnose(runs[n]) for n in ("unused", "used"))
+    assert [f["check"] for f in bad["findings"]] == ["scaler_unused"]          # not a verdict on the constant 8
+    assert "never stepped in 6 recorded steps" in bad["findings"][0]["summary"]
+    health = next(c for c in bad["checks"] if c["check"] == "loss-scale health")
+    assert not health["ran"] and "never stepped" in health["why"]
+    assert "scaler_unused" not in [f["check"] for f in good["findings"]]
+    # 2**30 overflows every step of this short run, every value inf: no evidence blames the model
+    assert "nonfinite_gradient" not in [f["check"] for f in good["findings"]]
 
 
 def test_the_gradscalers_step_is_put_back_on_close_also_when_the_loop_raises():

@@ -22,6 +22,8 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
   loss without recorded outputs;
 * ``init_scale_too_high`` (info), ``scale_collapse`` (error), ``frequent_skips`` (warning),
   ``scale_unbounded`` (warning): GradScaler's trace, with replays of other scalers (``ampviz.replay``);
+* ``scaler_unused`` (error): the GradScaler given to the Recorder never stepped while it recorded, so the
+  scale and skips recorded are not the loop's (the other scale checks are then not run);
 * ``ranks_disagree`` (error): DDP ranks whose scales or skips differ;
 * ``scheduler_on_skipped`` (warning): LR-scheduler steps taken on skipped steps (``Run.scheduler_steps``).
 
@@ -51,7 +53,8 @@ from ._underflow import underflow_findings
 __all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
-          "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped")
+          "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",
+          "scaler_unused")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -99,7 +102,8 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
              if facts.precision != "fp16" else "no gradient histograms recorded", facts.grad_rows),
             ("forward overflow" if outputs else "forward overflow (loss only)", True,
              "", facts.output_rows),
-            ("loss-scale health", facts.has_scaler, "no GradScaler", []),
+            ("loss-scale health", facts.has_scaler and not facts.scaler_unused,
+             "the GradScaler given to the Recorder never stepped" if facts.scaler_unused else "no GradScaler", []),
             ("ranks agree", facts.n_ranks > 1, "one rank", []),
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
              "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),

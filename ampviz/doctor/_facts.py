@@ -120,6 +120,9 @@ class Facts:
         self.weight_rows = run.tensors_of("weight")
         dtypes = {run.tensor_dtypes[t] for t in run.tensors_of(("activation", "output"))}
         self.has_scaler = bool(run.meta.get("scaler"))
+        # the GradScaler given to the Recorder never stepped while it recorded steps (files from ampviz 0.x before
+        # "steps_called" was recorded: unknown, taken as used): its scale and skips are not the loop's
+        self.scaler_unused = self.has_scaler and run.n_steps > 0 and run.meta["scaler"].get("steps_called") == 0
         if "torch.float16" in dtypes or (self.has_scaler and "torch.bfloat16" not in dtypes):
             self.precision = "fp16"
         elif "torch.bfloat16" in dtypes:

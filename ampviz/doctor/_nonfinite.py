@@ -158,10 +158,14 @@ def _edge_gap(facts: Facts, r: int, h: int, p: int | np.integer, clean_rows: np.
 def _source_cause(facts: Facts, src: dict) -> str:
     if src["nearest_loss"] and src["nan"] and not src["inf"]:
         return "forward"            # the loss's own backward gave nan: the loss or the output was not finite
+    if facts.scaler_unused:         # the loop's scale is not the one recorded: nothing says whether it overflowed
+        return "unknown"
     if not facts.has_scaler or (src["nan"] and not src["inf"]):
         return "not the loss scale"
     if src["clipped"]:              # the clip erased its finite values (and shrank its neighbours'): no evidence
         return "loss scale"         # against the ordinary explanation of an inf at a scaled step
+    if src["edge_gap"] == float("inf"):   # no finite value to measure against the format's edge, at this step or
+        return "unknown"                    # a clean one near it: every value inf is what too high a scale does too
     return "loss scale" if src["edge_gap"] <= 0 else "not the loss scale"
 
 

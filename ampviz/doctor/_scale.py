@@ -146,6 +146,8 @@ def scale_findings(facts: Facts, causes: list[dict]) -> list[dict]:
     """Scale-health findings of rank 0's trace (none for a run without a GradScaler)."""
     if not facts.has_scaler or facts.run.n_steps == 0:
         return []
+    if facts.scaler_unused:
+        return [_unused_finding(facts)]
     sc = _Scales(facts, causes)
     out = []
     if sc.burst:
@@ -156,6 +158,22 @@ def scale_findings(facts: Facts, causes: list[dict]) -> list[dict]:
         if f:
             out.append(f)
     return out
+
+
+def _unused_finding(facts: Facts) -> dict:
+    """The GradScaler given to the Recorder never stepped: the recorded scale is a bystander's."""
+    run = facts.run
+    scales = np.unique(run.loss_scale[0])
+    return finding(
+        "scaler_unused", "error",
+        f"the GradScaler given to the Recorder never stepped in {run.n_steps} recorded steps: the loss scale "
+        f"({', '.join(scale_text(s) for s in scales[:3])}) and the skipped steps recorded are not the loop's",
+        steps=run.steps[:1], evidence={"steps": run.n_steps, "steps_called": 0, "recorded_scales": scales[:3]},
+        details=["its step() was not called once while the Recorder watched it, so the loop scaled its loss and "
+                 "stepped its optimizer with another GradScaler, or with none; the scale findings were not "
+                 "checked (they would judge this bystander's constant scale)"],
+        recommendation="give the Recorder the GradScaler whose scale(loss).backward() and step(optimizer) the loop "
+                       "calls: Recorder(model, optimizer, scaler), with the same object")
 
 
 def _init_finding(sc: _Scales) -> dict:
@@ -190,7 +208,10 @@ _COLLAPSE_ADVICE = {
                           "the layer): fix that op; backing off only skips every step.",
     "loss scale": "The gradients grow faster than the scaler backs off: training is diverging. Lower the "
                   "learning rate, clip gradients (after scaler.unscale_), check the data of those steps.",
-    "unknown": "Record histograms on every step (every=1) to see which tensors hold inf/nan on these steps.",
+    "unknown": "Nothing recorded says why these steps were non-finite: they have no histograms (record with "
+               "every=1), or their inf tensors hold no finite value to measure against the format's edge, which is "
+               "what a scale far above what the gradients allow does (try a lower init_scale: if the skips stop, "
+               "it was the scale).",
 }
 
 

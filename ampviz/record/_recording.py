@@ -245,7 +245,10 @@ class _Recording:
                 "domains": dict(KIND_DOMAIN),
                 "scaler": None if sc is None else {
                     "init_scale": self.prev_scale, "growth_factor": sc.get_growth_factor(),
-                    "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval()},
+                    "backoff_factor": sc.get_backoff_factor(), "growth_interval": sc.get_growth_interval(),
+                    # calls of this scaler's step() while recording: 0 over recorded steps means the loop used
+                    # another scaler (or none), and the scale and skips recorded are not the loop's
+                    "steps_called": self.capture.total_scaler_steps},
                 # the loop called scaler.unscale_(opt) before scaler.step(opt) (to clip): the doctor reads clipped
                 # weight gradients of skipped steps as such only then
                 "unscaled_before_step": None if sc is None else self.capture.unscaled_before_step,

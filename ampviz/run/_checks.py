@@ -161,6 +161,8 @@ def _scaler_problems(scaler) -> list[str]:
             return [f"scaler.{key}: expected {valid}, got {show_value(scaler[key])}"]
     if "growth_interval" in scaler and not (is_int(scaler["growth_interval"]) and scaler["growth_interval"] >= 1):
         return [f"scaler.growth_interval: expected an integer >= 1, got {show_value(scaler['growth_interval'])}"]
+    if "steps_called" in scaler and not (is_int(scaler["steps_called"]) and scaler["steps_called"] >= 0):
+        return [f"scaler.steps_called: expected an integer >= 0, got {show_value(scaler['steps_called'])}"]
     return []
 
 
