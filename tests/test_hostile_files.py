@@ -252,6 +252,8 @@ CASES = {
                             "scaler.backoff_factor: expected a number in (0, 1), got 1e+308"),
     "scaler_growth_tiny": (lambda d: craft(d / "growth.npz", meta={"scaler": dict(SCALER, growth_factor=5e-324)}),
                            "scaler.growth_factor: expected a number > 1, got 5e-324"),
+    "scaler_steps_negative": (lambda d: craft(d / "steps.npz", meta={"scaler": dict(SCALER, steps_called=-1)}),
+                              "scaler.steps_called: expected an integer >= 0, got -1"),
     "name_surrogate": (lambda d: craft(d / "surrogate.npz", meta={"tensor_names": ["fc.\ud800", "fc"]}),
                        "tensor_names[0]: holds \\ud800, a lone surrogate"),
     "ranks_mixed": (lambda d: _ranks(d / "mixed", [0, "1"]), "rank: expected a non-negative integer, got '1'"),
