@@ -96,7 +96,8 @@ def real(b, deq, saturated) -> dict:
     flushed = nonzero & (deq == 0)
     total = (b ** 2).sum()
     return {"flushed": int(flushed.sum()), "saturated": int((saturated & nonzero).sum()), "nonzero": int(nonzero.sum()),
-            "norm_lost": float((b[flushed] ** 2).sum() / total), "rms": float(((deq - b) ** 2).sum().sqrt() / total.sqrt())}
+            "norm_lost": float((b[flushed] ** 2).sum() / total),
+            "rms": float(((deq - b) ** 2).sum().sqrt() / total.sqrt())}
 
 
 def cast_for(recipe: str, x: torch.Tensor, layout: str):
@@ -161,7 +162,7 @@ def transformer_tensors():
 
 @pytest.mark.parametrize("recipe,layout", RECIPE_LAYOUTS)
 def test_what_if_matches_the_real_cast_on_transformer_tensors(transformer_tensors, recipe, layout):
-    for name, t in transformer_tensors.items():
+    for t in transformer_tensors.values():
         check(t, recipe, layout)
 
 
