@@ -221,17 +221,19 @@ class _nothing:
 
 
 def test_blocks_with_inf_or_nan_are_poisoned_and_tiny_blocks_are_unsure():
-    x = wide(4 * 32, 3).view(4, 32)
+    x = wide(5 * 32, 3).view(5, 32)
     x[0, 3], x[1, 5] = float("inf"), float("nan")
     x[2] = x[2] * 2.0 ** -110 * 1e-20                                    # amax far below 2**-112
+    x[4] = x[4] * 2.0 ** -110 * 1e-20
+    x[4, 0] = -float("inf")                                             # tiny and poisoned: poisoned
     c = block_counts(x, "mx32")
-    assert int(c.nonfinite) == 2 and int(c.poisoned) == int((x[:2] != 0).sum()) - 2
+    assert int(c.nonfinite) == 3 and int(c.poisoned) == int((x[:2] != 0).sum() + (x[4] != 0).sum()) - 3
     assert int(c.tiny) == int((x[2] != 0).sum())
     assert int(c.d.sum() + c.zero + c.nonfinite + c.poisoned + c.tiny) == x.numel()
     for recipe in EMAX:
         w = what_if(c, recipe)
         assert w.poisoned == int(c.poisoned) and w.unsure == int(c.tiny) and not w.exact
-        b, deq, sat = mx_cast(x[2:], recipe)
+        b, deq, sat = mx_cast(x[2:4], recipe)
         r = real(b, deq, sat)
         assert w.flushed[0] <= r["flushed"] <= w.flushed[1]
 

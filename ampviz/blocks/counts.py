@@ -121,39 +121,42 @@ def block_counts(x: torch.Tensor, layout, dim: int = -1, pad: bool = False) -> B
 
 
 def _count_blocks(blocks: torch.Tensor, padding: int, layout: BlockLayout) -> BlockCounts:
-    a = blocks.abs()
-    finite = torch.isfinite(a)
-    a = torch.where(finite, a, 0.0)
+    bits = blocks.view(torch.int32) & 0x7FFFFFFF                             # |v| as fp32 bits, (blocks, n)
+    finite = bits < 0x7F800000
+    bits = torch.where(finite, bits, 0)
     poisoned_block = ~finite.all(dim=1)                                      # (blocks,)
-    amax = a.amax(dim=1)                                                     # (blocks,) largest finite magnitude
+    amax = bits.amax(dim=1).view(torch.float32)                              # largest finite |v|: bits are monotone
+    a = bits.view(torch.float32)
     mantissa, exponent = torch.frexp(a)                                      # a = mantissa * 2**exponent, exact
     k = exponent - 1 - (mantissa == 0.5).to(exponent.dtype)                  # 2**k < a <= 2**(k+1)
     block_exp = torch.frexp(amax)[1] - 1                                     # floor(log2 amax), (blocks,)
     tiny_block = (block_exp < TINY_EXPONENT) & (amax > 0)
     ordinary_block = ~poisoned_block & ~tiny_block
-    nonzero = a > 0
-    d = (block_exp[:, None] - k).clamp(0, D_MAX)
-    key = torch.where(nonzero & ordinary_block[:, None], d, _ZERO)
-    key = torch.where(nonzero & tiny_block[:, None], _TINY, key)
-    key = torch.where(nonzero & poisoned_block[:, None], _POISONED, key)
+    nonzero = bits > 0
+    d = block_exp[:, None] - k
+    # d = 0 values go straight to their mantissa bin (2j: m == 1 + j/32, 2j+1: inside); d[0] is their sum
+    fraction = bits & 0x7FFFFF
+    top_key = _TOP + 2 * (fraction >> 18) + ((fraction & 0x3FFFF) != 0).to(fraction.dtype)
+    key = torch.where(d == 0, top_key, d.clamp(max=D_MAX))
+    key = torch.where(nonzero & ordinary_block[:, None], key, _ZERO)
+    special = torch.where(poisoned_block, _POISONED, _TINY)                    # (blocks,)
+    key = torch.where(nonzero & ~ordinary_block[:, None], special[:, None], key)
     key = torch.where(finite, key, _NONFINITE)
-    fraction = a.view(torch.int32) & 0x7FFFFF                                # fp32 mantissa field
-    top_key = 2 * (fraction >> 18) + ((fraction & 0x3FFFF) != 0).to(fraction.dtype)   # 2j (exact) or 2j+1 (inside)
-    top_key = torch.where((key == 0) & nonzero, _TOP + top_key, N_COUNTS)    # N_COUNTS: dropped
+    square = a.double().square()                                             # (blocks, n), 0 where not finite
     # per block: the block's offset below the tensor's amax binade, weighted by its counted values
     tensor_exp = torch.where(ordinary_block & (amax > 0), block_exp, -(1 << 30)).amax()
     offset_key = _OFFSET + (tensor_exp - block_exp).clamp(0, N_OFFSET - 1)
-    counted = (nonzero & ordinary_block[:, None])
-    block_n = counted.sum(dim=1)
-    block_sq = torch.where(counted, a.double() ** 2, 0.0).sum(dim=1)
-    offset_key = torch.where(ordinary_block & (block_n > 0), offset_key, N_COUNTS)
-    keys = torch.cat([key.reshape(-1), top_key.reshape(-1), offset_key]).long()
-    square = a.double().reshape(-1) ** 2
-    ones = torch.ones_like(square, dtype=torch.int64)
+    offset_key = torch.where(ordinary_block & (amax > 0), offset_key, N_COUNTS)   # N_COUNTS: dropped
     counts = torch.zeros(N_COUNTS + 1, dtype=torch.int64, device=a.device)
     sumsq = torch.zeros(N_COUNTS + 1, dtype=torch.float64, device=a.device)
     # index_add_, not bincount: bincount reads its input's max back to the host on CUDA (a sync)
-    counts.index_add_(0, keys, torch.cat([ones, ones, block_n]))
-    sumsq.index_add_(0, keys, torch.cat([square, square, block_sq]))
+    key = key.reshape(-1).long()
+    counts.index_add_(0, key, torch.ones_like(key))
+    sumsq.index_add_(0, key, square.reshape(-1))
+    offset_key = offset_key.long()
+    counts.index_add_(0, offset_key, nonzero.sum(dim=1))
+    sumsq.index_add_(0, offset_key, square.sum(dim=1))
+    counts[0] = counts[_TOP:_SPECIAL].sum()
+    sumsq[0] = sumsq[_TOP:_SPECIAL].sum()
     counts[_ZERO] -= padding                                                # the padding is not the tensor's
     return BlockCounts(counts[:N_COUNTS], sumsq[:N_COUNTS], layout)

@@ -23,9 +23,10 @@ Where the scale is not a power of two, ``|v| / amax`` is known only to within ``
 scale itself is rounded (NVFP4's E4M3 block scale: relative error <= 2**-4, so amax maps into
 [6 / (1 + 2**-4), 6 / (1 - 2**-4)]; fp32 scales: 2**-20 of slack); the counts become **bounds** (``lo <= real
 <= hi``): NVFP4 flushes all of d >= 6 and none of d <= 3, row-wise / tiled fp8 all of d >= 20 and none of
-d <= 17; neither saturates. NVFP4's bound needs the block scale in E4M3's normal range, i.e. blocks within
-2**13 binades of the tensor's amax (``offset <= 13``); the values of farther blocks widen the bounds by their
-count and squared norm. Poisoned values (in a block with inf/nan) become nan under MX and are reported apart.
+d <= 17; neither saturates. NVFP4's bound needs the block scale in E4M3's normal range: it holds for blocks
+whose amax binade is at most 13 below the tensor's (``offset <= 13``); the values of farther blocks (``unsure``)
+widen the bounds by their count and squared norm. Poisoned values (in a block with inf/nan) become nan under MX
+and are reported apart.
 """
 
 from __future__ import annotations
