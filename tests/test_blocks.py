@@ -233,9 +233,11 @@ def test_blocks_with_inf_or_nan_are_poisoned_and_tiny_blocks_are_unsure():
     for recipe in EMAX:
         w = what_if(c, recipe)
         assert w.poisoned == int(c.poisoned) and w.unsure == int(c.tiny) and not w.exact
-        b, deq, sat = mx_cast(x[2:4], recipe)
-        r = real(b, deq, sat)
+        r = real(*mx_cast(x[2:4], recipe))
         assert w.flushed[0] <= r["flushed"] <= w.flushed[1]
+        ordinary = real(*mx_cast(x[3:4], recipe))                       # exact where the blocks are ordinary
+        assert w.flushed == (ordinary["flushed"], ordinary["flushed"] + int(c.tiny))
+        assert w.saturated == (ordinary["saturated"], ordinary["saturated"] + int(c.tiny))
 
 
 # ------------------------------------------------------------------------------------------- the counts themselves

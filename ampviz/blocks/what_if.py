@@ -184,10 +184,12 @@ def _top_saturation(fmt: Format) -> tuple[np.ndarray, np.ndarray]:
     return sat, bound
 
 
-def _combine(recipe: Recipe, c: np.ndarray, s: np.ndarray, per_d: dict, unsure: int, unsure_sq: float) -> WhatIf:
+def _combine(recipe: Recipe, c: np.ndarray, s: np.ndarray, per_d: dict, far: int, far_sq: float) -> WhatIf:
+    """``far``: values counted by d whose bins' verdicts may not hold for them (NVFP4's far blocks); the tiny
+    blocks' values are not counted by d at all: either may go any way."""
     d_counts, d_sq = c[:N_D], s[:N_D]
     tiny, tiny_sq = int(c[_TINY]), float(s[_TINY])
-    unsure, unsure_sq = unsure + tiny, unsure_sq + tiny_sq
+    unsure, unsure_sq = far + tiny, far_sq + tiny_sq
     nonzero = int(d_counts.sum()) + tiny
     total_sq = float(d_sq.sum()) + tiny_sq
     f_lo, f_hi = int(d_counts[per_d["flush_lo"]].sum()), int(d_counts[per_d["flush_hi"]].sum())
@@ -199,10 +201,10 @@ def _combine(recipe: Recipe, c: np.ndarray, s: np.ndarray, per_d: dict, unsure: 
         top_c, top_sq = c[_TOP:_TOP + N_TOP], s[_TOP:_TOP + N_TOP]
         sat = int(top_c[top_sat].sum())
         err_hi += float((top_bound ** 2 * top_sq).sum()) - per_d["bound"][0] ** 2 * d_sq[0]
-    flushed = (max(f_lo - unsure, 0), min(f_hi + unsure, nonzero))
-    saturated = (sat, sat) if not unsure else (max(sat - unsure, 0), min(sat + unsure, nonzero))
+    flushed = (max(f_lo - far, 0), min(f_hi + unsure, nonzero))
+    saturated = (max(sat - far, 0), min(sat + unsure, nonzero))
     share = (lambda v: min(max(v / total_sq, 0.0), 1.0)) if total_sq > 0 else (lambda v: 0.0)
-    norm_lost = (share(sq_lo - unsure_sq), share(sq_hi + unsure_sq))
-    rms = (math.sqrt(share(sq_lo - unsure_sq)), math.sqrt(share(err_hi + unsure_sq)))
+    norm_lost = (share(sq_lo - far_sq), share(sq_hi + unsure_sq))
+    rms = (math.sqrt(share(sq_lo - far_sq)), math.sqrt(share(err_hi + unsure_sq)))
     return WhatIf(recipe.name, nonzero, int(c[_ZERO]), int(c[_NONFINITE]), int(c[_POISONED]), unsure, flushed,
                   saturated, norm_lost, rms)
