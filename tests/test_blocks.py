@@ -164,6 +164,7 @@ def transformer_tensors():
 def test_what_if_matches_the_real_cast_on_transformer_tensors(transformer_tensors, recipe, layout):
     for t in transformer_tensors.values():
         check(t, recipe, layout)
+        check(t.bfloat16(), recipe, layout)                              # bf16 is exact in fp32
 
 
 def test_the_transformer_tensors_exercise_flushing_and_saturation(transformer_tensors):

@@ -11,8 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # the core whose annotations are checked: the run and its file format, the histogram and formats, the replayed
-# loss-scaler policies, the counting backends
-PACKAGES = ("ampviz/run", "ampviz/histogram.py", "ampviz/formats.py", "ampviz/replay", "ampviz/_counting")
+# loss-scaler policies, the counting backends, the block statistics
+PACKAGES = ("ampviz/run", "ampviz/histogram.py", "ampviz/formats.py", "ampviz/replay", "ampviz/_counting",
+            "ampviz/blocks")
 
 pytestmark = [
     pytest.mark.slow,

@@ -7,7 +7,7 @@ dimension flattened in order. A block is ``block_rows`` consecutive rows by ``bl
 
     >>> from ampviz.blocks import get_layout
     >>> get_layout("mx32").describe()
-    'mx32: blocks of 1 x 32 along dim -1 (OCP MX: MXFP8, MXFP4)'
+    'mx32: blocks of 1 x 32 along the blocked dim (OCP MX: MXFP8, MXFP4)'
     >>> get_layout("tile128x128").blocks_of((256, 384))
     (2, 3)
 
@@ -51,7 +51,7 @@ class BlockLayout:
 
     def describe(self) -> str:
         cols = "a whole row" if self.block_cols is None else f"{self.block_rows} x {self.block_cols}"
-        return f"{self.name}: blocks of {cols} along dim -1" + (f" ({self.note})" if self.note else "")
+        return f"{self.name}: blocks of {cols} along the blocked dim" + (f" ({self.note})" if self.note else "")
 
     def blocks_of(self, shape, dim: int = -1, pad: bool = False) -> tuple[int, int]:
         """``(row_blocks, col_blocks)`` of a tensor of ``shape`` blocked along ``dim``.
