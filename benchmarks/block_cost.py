@@ -3,7 +3,8 @@
     python benchmarks/block_cost.py                        # 4 tensors of 2048 x 2048 fp32 on the CPU
     python benchmarks/block_cost.py --device cuda
 
-For each layout, ``ampviz.blocks.block_counts`` on every tensor, against the per-tensor binade histogram of the same
+For each layout, ``ampviz.blocks.block_counts`` on every tensor (on the CPU: its numba kernel, and with
+``AMPVIZ_COUNTER=torch`` its torch ops, the GPU's path), against the per-tensor binade histogram of the same
 tensors counted by ``ampviz._counting``: the default counter for the device (numba on the CPU, Triton on a GPU) and
 the torch-ops ``Binner`` (the same kind of ops block_counts uses). Median of ``--repeats`` timed rounds after one
 warm-up; prints milliseconds per round and the ratio block / histogram.

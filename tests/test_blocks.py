@@ -19,11 +19,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ampviz.blocks import LAYOUTS, BlockLayout, block_counts, get_layout, what_if
+from ampviz.blocks import LAYOUTS, BlockLayout, _cpu_kernel, block_counts, get_layout, what_if
 from ampviz.blocks.counts import D_MAX
 
 E8M0, E4M3, E5M2 = torch.float8_e8m0fnu, torch.float8_e4m3fn, torch.float8_e5m2
 EMAX = {"mxfp8_e4m3": 8, "mxfp8_e5m2": 15, "mxfp4": 2}
+
+
+@pytest.fixture(autouse=True, params=["numba", "torch"])
+def counter(request, monkeypatch):
+    """Every test runs with both CPU paths of block_counts: the numba kernel and the torch ops (the GPU's)."""
+    if request.param == "numba" and not _cpu_kernel.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setenv("AMPVIZ_COUNTER", request.param)
+    return request.param
 
 
 # ------------------------------------------------------------------------------------------- reference casts
@@ -291,6 +300,19 @@ def test_errors_name_the_argument_the_value_and_what_is_valid():
         what_if(block_counts(torch.ones(32), "mx32"), "nvfp4")
     with pytest.raises(ValueError, match="recipe: unknown recipe 'mxfp6'; valid: mxfp8_e4m3"):
         what_if(block_counts(torch.ones(32), "mx32"), "mxfp6")
+
+
+def test_the_numba_kernel_and_the_torch_path_count_the_same(monkeypatch, transformer_tensors):
+    x = torch.cat([edge_rows().repeat(1, 4), wide(13 * 128 * 3, 1).view(-1, 128)])
+    x[3, 5], x[20, 7], x[30] = float("inf"), float("nan"), x[30] * 1e-38
+    for t in [x, x[:, :100], *transformer_tensors.values()]:
+        for name in LAYOUTS:
+            monkeypatch.setenv("AMPVIZ_COUNTER", "torch")
+            by_torch = block_counts(t, name, pad=True)
+            monkeypatch.setenv("AMPVIZ_COUNTER", "numba")
+            by_numba = block_counts(t, name, pad=True)
+            assert torch.equal(by_torch.counts, by_numba.counts), name
+            assert torch.allclose(by_torch.sumsq, by_numba.sumsq, rtol=1e-12, atol=0), name
 
 
 @pytest.mark.gpu

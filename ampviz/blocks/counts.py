@@ -29,17 +29,22 @@ compute squared-norm shares. Example::
     >>> c.d[:5].tolist(), int(c.zero)       # amax 3: E = 1. 3 is in (2, 4]: d = 0; 1 in (1/2, 1]: d = 2; 1/4: d = 4
     ([8, 0, 8, 0, 8], 8)
 
-Inputs are counted as fp32 (fp16, bf16 and fp8 are exact in fp32; fp64 is rounded to fp32 first, as torchao's
+On the CPU a numba kernel (:mod:`~ampviz.blocks._cpu_kernel`, the ``[fast]`` extra) counts in two reads of each
+value; elsewhere, or with ``AMPVIZ_COUNTER=torch``, torch ops do (``index_add_``, no host sync). Inputs are
+counted as fp32 (fp16, bf16 and fp8 are exact in fp32; fp64 is rounded to fp32 first, as torchao's
 casts take bf16 or fp32). Complex tensors are counted by ``|z|``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import _cpu_kernel
 from .layouts import BlockLayout, get_layout
 
 __all__ = ["BlockCounts", "block_counts", "D_MAX", "TINY_EXPONENT", "N_D", "N_TOP", "N_OFFSET"]
@@ -117,7 +122,21 @@ def block_counts(x: torch.Tensor, layout, dim: int = -1, pad: bool = False) -> B
         m = F.pad(m, (0, col_blocks * bc - cols, 0, row_blocks * layout.block_rows - m.shape[0]))
     blocks = (m.view(row_blocks, layout.block_rows, col_blocks, bc).permute(0, 2, 1, 3)
               .reshape(row_blocks * col_blocks, layout.block_rows * bc))     # (blocks, elements per block)
+    if blocks.device.type == "cpu" and _cpu_kernel.available() and os.environ.get("AMPVIZ_COUNTER") != "torch":
+        return _count_blocks_numba(blocks, padding, layout)
     return _count_blocks(blocks, padding, layout)
+
+
+def _count_blocks_numba(blocks: torch.Tensor, padding: int, layout: BlockLayout) -> BlockCounts:
+    """The numba kernel's counts, equal to :func:`_count_blocks`'s (sums of squares up to their order)."""
+    counts = np.zeros(N_COUNTS, dtype=np.int64)
+    sumsq = np.zeros(N_COUNTS, dtype=np.float64)
+    consts = np.array([D_MAX, TINY_EXPONENT, _TOP, _ZERO, _NONFINITE, _POISONED, _TINY, _OFFSET, N_OFFSET])
+    _cpu_kernel._count(blocks.contiguous().view(torch.int32).numpy(), counts, sumsq, consts)
+    counts[0] = counts[_TOP:_SPECIAL].sum()
+    sumsq[0] = sumsq[_TOP:_SPECIAL].sum()
+    counts[_ZERO] -= padding
+    return BlockCounts(torch.from_numpy(counts), torch.from_numpy(sumsq), layout)
 
 
 def _count_blocks(blocks: torch.Tensor, padding: int, layout: BlockLayout) -> BlockCounts:
