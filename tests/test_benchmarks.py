@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALLEST = {
+    "block_cost.py": ["--rows", "64", "--cols", "256", "--tensors", "2", "--repeats", "1"],
     "capture_overhead.py": ["--workload", "mlp", "--rounds", "1", "--warmup", "0", "--width", "64"],
     "count_speed.py": ["--steps", "2"],
     "live_export.py": ["--steps", "20", "--every", "10", "--layers", "2"],

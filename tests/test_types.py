@@ -11,9 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # the core whose annotations are checked: the recorder, the run and its file format, the histogram and formats, the
-# replayed loss-scaler policies, the counting backends, the doctor
+# replayed loss-scaler policies, the counting backends, the doctor, the block statistics
 PACKAGES = ("ampviz/record", "ampviz/run", "ampviz/histogram.py", "ampviz/formats.py", "ampviz/replay",
-            "ampviz/_counting", "ampviz/doctor")
+            "ampviz/_counting", "ampviz/doctor", "ampviz/blocks")
 
 pytestmark = [
     pytest.mark.slow,
