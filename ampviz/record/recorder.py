@@ -174,6 +174,8 @@ class Recorder:
                              + (["weight_local"] * len(watched) if self._local else []))
         # the lifecycle: new -> open (one _Recording while enabled) -> closed (its Outcome kept)
         self._open = self._closed = False
+        # a framework that holds the weight gradients and the loss scaler itself (set by an integration)
+        self._framework: Any = None
         self._recording: _Recording | None = None
         self._outcome: Outcome | None = None
 
