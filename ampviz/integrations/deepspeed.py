@@ -29,7 +29,7 @@ It is an ``ampviz.Recorder`` on ``engine.module`` whose weight gradients and los
   full gradient (``run.meta["deepspeed"]["weights"]`` is ``"partition"``; ``"full"`` under ZeRO 0). Nothing is
   gathered. The rows stay one per parameter, named as in ``engine.module``. Domain: **unscaled**, as every
   Recorder's weight rows: DeepSpeed's fp16 gradients are still multiplied by the loss scale before ``step()``,
-  so they are divided by the scale the backward used (a power of two: exact) before counting; DeepSpeed has
+  so they are divided in fp32 by the scale the backward used (a power of two: exact) before counting; DeepSpeed has
   already divided the loss by ``gradient_accumulation_steps`` in ``engine.backward``, so they are the mean over
   the micro-batches, as the optimizer sees them (before clipping).
 * **activation gradients** (and ``outputs=``) come from module hooks on ``engine.module``, as for any model:
@@ -140,7 +140,9 @@ class _Engine:
         for row, p in self.rows:
             g = self._local(p)
             if g is not None and scale != 1.0:
-                g = g / scale                          # a power of two: exact (a temporary, no host sync)
+                # in fp32, as DeepSpeed unscales: dividing an fp16 gradient in fp16 would flush its smallest values
+                # (a temporary per tensor, no host sync; by a power of two: exact)
+                g = g.float().div_(scale)
             yield row, g
 
     def _local(self, p: Any):

@@ -26,11 +26,13 @@ def model():
     return nn.Sequential(nn.Linear(12, 33), nn.ReLU(), nn.Linear(33, 5))
 
 
-def config(stage: int, dtype: str) -> dict:
+def config(case: dict) -> dict:
+    dtype = case["dtype"]
+    # fp16: DeepSpeed's dynamic loss scaler from 2**8, growing after 2 clean steps; a case may change it ("fp16")
+    scaling = {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 1,
+               **case.get("fp16", {})} if dtype == "fp16" else {}
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUM,
-            "zero_optimization": {"stage": stage}, dtype: {"enabled": True, **(
-                {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 64}
-                if dtype == "fp16" else {})},
+            "zero_optimization": {"stage": case["stage"]}, dtype: {"enabled": True, **scaling},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
 
 
@@ -39,10 +41,10 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
     from ampviz.integrations.deepspeed import Recorder
-    stage, dtype, inf_at = case["stage"], case["dtype"], case.get("inf_at")
+    dtype, inf_at = case["dtype"], case.get("inf_at")
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config(stage, dtype))
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config(case))
     half = torch.bfloat16 if dtype == "bf16" else torch.float16
     g = torch.Generator().manual_seed(100 + rank)                  # each rank its own data
     oracle, scales, applied, skipped = [], [], [], []

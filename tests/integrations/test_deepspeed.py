@@ -1,0 +1,189 @@
+"""ampviz.integrations.deepspeed against the real DeepSpeed (0.19.8) on 2 CPU ranks (``DS_ACCELERATOR=cpu``, gloo):
+ZeRO 0, 1, 2 and 3 in bf16, each trained with and without the Recorder (tests/integrations/_deepspeed_worker.py).
+
+* exact: the ranks' weight counts add up, row for row and step for step, to the histograms of the full gradients
+  DeepSpeed assembles itself (``safe_get_full_grad``) at the same point (ZeRO 0: every rank holds the full one);
+* training is bit-identical with and without the Recorder;
+* the loss scale and the skipped steps recorded are the ones the engine reports; a planted overflow in a bf16 run
+  is skipped by DeepSpeed and found by the doctor (``silent_skips``);
+* fp16 engines (where DeepSpeed's CPU accelerator supports fp16): ZeRO 2 exact after unscaling, a scale pinned
+  at ``min_loss_scale`` found by the doctor, ZeRO 0's immediate back-off recorded as the engine reports it.
+
+One spawn runs every case (DeepSpeed's first start JIT-builds its shm comm op once: about 40 s; then about 20 s).
+"""
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import ampviz
+
+deepspeed = pytest.importorskip("deepspeed")
+
+BF16 = [{"name": f"zero{s}", "stage": s, "dtype": "bf16"} for s in (0, 1, 2, 3)]
+BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1}
+# fp16 from the minimum: the planted overflow cannot back off (hysteresis 2 keeps the run alive at the minimum)
+FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
+            "fp16": {"min_loss_scale": 256, "hysteresis": 2}}
+FP16_ZERO0 = {"name": "fp16_zero0", "stage": 0, "dtype": "fp16", "inf_at": 1}
+
+
+def _fp16_on_cpu() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())     # what DeepSpeed's CPU accelerator asks
+    except Exception:
+        return False
+
+
+FP16 = _fp16_on_cpu()
+needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
+                                                 "(no avx512_fp16 / AMX-FP16): fp16 engines are refused")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import _deepspeed_worker
+    out = tmp_path_factory.mktemp("deepspeed")
+    cases = BF16 + [BF16_INF] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"                   # the spawned ranks inherit it
+    try:
+        mp.spawn(_deepspeed_worker.run, args=(2, port, str(out), cases), nprocs=2, join=True)
+    finally:
+        if env is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+        else:
+            os.environ["DS_ACCELERATOR"] = env
+
+    def load(name):
+        run = ampviz.Run.load(out / name)
+        engine = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+        oracle = [np.load(out / f"{name}.oracle{r}.npy") for r in (0, 1)]
+        return run, engine, oracle
+    return load
+
+
+def check_exact(run, engine, oracle, stage):
+    import _deepspeed_worker
+    names = [n for n, _ in _deepspeed_worker.model().named_parameters()]
+    w = run.tensors_of("weight")
+    assert run.ranks == [0, 1] and [run.tensor_names[t] for t in w] == names == engine[0]["names"]
+    np.testing.assert_array_equal(oracle[0], oracle[1])                 # the oracle is the same on both ranks
+    assert run.hist_steps.tolist() == list(range(_deepspeed_worker.STEPS))
+    counts = run.counts[:, :, w]                                         # (ranks, steps, params, bins)
+    sizes = [p.numel() for p in _deepspeed_worker.model().parameters()]
+    if stage == 0:                                                       # all-reduced .grad: the full one everywhere
+        assert run.meta["deepspeed"]["weights"] == "full"
+        for r in (0, 1):
+            np.testing.assert_array_equal(counts[r], oracle[0])
+    else:                                                                # disjoint partitions
+        assert run.meta["deepspeed"]["weights"] == "partition"
+        np.testing.assert_array_equal(counts.sum(axis=0), oracle[0])
+        per_rank = counts[:, 0].sum(axis=-1)                             # (ranks, params) values counted
+        assert (per_rank > 0).sum() > len(sizes)                         # some parameter is split between ranks
+        assert per_rank.sum(axis=0).tolist() == sizes
+    assert (counts.sum(axis=-1) > 0).any(axis=0).all()
+    # activation gradients from module hooks: both micro-batches of every step, on every rank
+    acts = run.tensors_of("activation")
+    assert acts and (run.counts[:, :, acts].sum(axis=-1) > 0).all()
+    # training unchanged, the engine's scale and skips
+    for r in (0, 1):
+        assert engine[r]["bit_identical"]
+        assert run.next_scale[r].tolist() == engine[r]["scales"]
+        assert run.skipped[r].tolist() == [not a for a in engine[r]["applied"]]
+        assert engine[r]["plain"] == {k: engine[r][k] for k in ("scales", "applied", "skipped")}
+    assert run.meta["deepspeed"]["skipped_steps"] == engine[0]["skipped"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage):
+    run, engine, oracle = runs(f"zero{stage}")
+    check_exact(run, engine, oracle, stage)
+    ds = run.meta["deepspeed"]
+    assert (ds["stage"], ds["dtype"], ds["gradient_accumulation_steps"]) == (stage, "bf16", 2)
+    assert engine[0]["optimizer"] == ds["optimizer"]
+    assert run.loss_scale.tolist() == [[1.0] * 4] * 2 and not run.skipped.any()
+    assert np.isfinite(run.loss).all()                                   # the mean of each step's micro-batch losses
+    assert run.diagnose()["clean"]
+
+
+@pytest.mark.slow
+def test_a_planted_overflow_in_bf16_is_skipped_by_deepspeed_and_found_by_the_doctor(runs):
+    run, engine, oracle = runs("zero2_inf")
+    check_exact(run, engine, oracle, 2)                                  # inf/nan counted as the full gradient holds them
+    assert engine[0]["applied"] == [True, False, True, True] and engine[0]["skipped"][-1] == 1
+    assert run.skipped.tolist() == [[False, True, False, False]] * 2
+    assert run.loss_scale.tolist() == [[1.0] * 4] * 2                   # bf16: no scale moves to show the skip
+    report = run.diagnose()
+    silent = [f for f in report["findings"] if f["check"] == "silent_skips"]
+    assert len(silent) == 1 and silent[0]["steps"] == [1] and silent[0]["severity"] == "warning"
+    assert silent[0]["evidence"]["engine_skipped_steps"] == 1
+    assert any(f["check"] == "nonfinite_gradient" and 1 in f["steps"] for f in report["findings"])
+    assert not any(f["check"] == "scale_at_minimum" for f in report["findings"])
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_zero2_unscaled_exactly_and_a_scale_pinned_at_min_loss_scale_is_found(runs):
+    run, engine, oracle = runs("fp16_zero2_min")
+    check_exact(run, engine, oracle, 2)                                  # the oracle divides by the scale too
+    ds = run.meta["deepspeed"]
+    assert (ds["dtype"], ds["min_loss_scale"], ds["hysteresis"], ds["dynamic_loss_scale"]) == ("fp16", 256.0, 2, True)
+    # hysteresis 2: the overflow at the minimum costs the step, the scale stays; then it grows after 2 clean steps
+    assert run.loss_scale[0].tolist()[:2] == [256.0, 256.0] and run.skipped[0].tolist()[:2] == [False, True]
+    pinned = [f for f in run.diagnose()["findings"] if f["check"] == "scale_at_minimum"]
+    assert len(pinned) == 1 and pinned[0]["steps"] == [1] and pinned[0]["severity"] == "error"
+    assert not any(f["check"] == "silent_skips" for f in run.diagnose()["findings"])
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_zero0_backs_off_at_once_as_the_engine_reports(runs):
+    run, engine, oracle = runs("fp16_zero0")
+    check_exact(run, engine, oracle, 0)
+    assert run.meta["deepspeed"]["optimizer"] == "FP16_UnfusedOptimizer"
+    assert engine[0]["scales"][:2] == [256.0, 128.0]                     # no hysteresis in ZeRO 0's fp16 optimizer
+    assert run.loss_scale[0].tolist()[:3] == [256.0, 256.0, 128.0]
+
+
+# ---------------------------------------------------------------------------------------- without ranks
+class _Optimizer:
+    def __init__(self, scaler):
+        self.loss_scaler = scaler
+
+
+class _Engine:
+    def __init__(self, scaler):
+        self.optimizer = _Optimizer(scaler)
+
+
+def test_the_scale_is_read_from_deepspeeds_own_dynamic_loss_scaler():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from ampviz.integrations.deepspeed import _Engine as Source
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, scale_window=2, min_scale=4.0, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    source = Source(_Engine(scaler), 2, [])
+    seen = []
+    for _ in range(5):
+        scaler.update_scale(False)                     # clean steps: no process group needed
+        seen.append(source.scale())
+    assert seen == [256.0, 256.0, 512.0, 512.0, 1024.0]      # doubled after every 2 clean steps past the first
+    assert source._scaler() is scaler and source.scale() == scaler.loss_scale == 1024.0
+
+
+def test_recorder_refuses_what_is_not_an_engine_and_what_the_engine_holds():
+    from ampviz.integrations.deepspeed import Recorder, is_engine
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="engine: expected a deepspeed.DeepSpeedEngine .* got Linear"):
+        Recorder(model)
+    assert not is_engine(model) and not is_engine(None)
