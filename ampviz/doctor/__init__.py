@@ -54,8 +54,8 @@ from ._underflow import underflow_findings
 __all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
-          "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped", "silent_skips",
-          "scale_at_minimum")
+          "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",
+          "silent_skips", "scale_at_minimum")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 

@@ -119,7 +119,7 @@ def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage
 @pytest.mark.slow
 def test_a_planted_overflow_in_bf16_is_skipped_by_deepspeed_and_found_by_the_doctor(runs):
     run, engine, oracle = runs("zero2_inf")
-    check_exact(run, engine, oracle, 2)                                  # inf/nan counted as the full gradient holds them
+    check_exact(run, engine, oracle, 2)                 # the inf/nan counted as the full gradient holds them
     assert engine[0]["applied"] == [True, False, True, True] and engine[0]["skipped"][-1] == 1
     assert run.skipped.tolist() == [[False, True, False, False]] * 2
     assert run.loss_scale.tolist() == [[1.0] * 4] * 2                   # bf16: no scale moves to show the skip
@@ -187,3 +187,32 @@ def test_recorder_refuses_what_is_not_an_engine_and_what_the_engine_holds():
     with pytest.raises(TypeError, match="engine: expected a deepspeed.DeepSpeedEngine .* got Linear"):
         Recorder(model)
     assert not is_engine(model) and not is_engine(None)
+
+
+def docs_script() -> str:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    block = text.split("```text\n# train_ds.py\n", 1)[1].split("\n```", 1)[0]
+    return block
+
+
+@pytest.mark.slow
+def test_the_docs_script_runs_under_torchrun_on_2_cpu_ranks(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "train_ds.py").write_text(docs_script())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(__import__("pathlib").Path(ampviz.__file__).resolve().parents[1])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), "train_ds.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = ampviz.Run.load(tmp_path / "runs" / "ds")
+    assert run.ranks == [0, 1] and run.n_steps == 4 and run.meta["deepspeed"]["stage"] == 2
+    w = run.tensors_of("weight")
+    sizes = [16 * 32, 32, 32 * 5, 5]
+    assert (run.counts[:, :, w].sum(axis=(0, 3)) == sizes).all()     # every step: each parameter counted once
