@@ -288,14 +288,15 @@ def deepspeed_findings(facts: Facts) -> list[dict]:
         pos = np.flatnonzero(skipped)
         steps = run.steps[pos].tolist()
         n = len(steps)
+        plural = "s" if n > 1 else ""
         out.append(finding(
-            "silent_skips", "warning", f"DeepSpeed skipped {n} step{'s' if n > 1 else ''} of this "
-            f"{ds.get('dtype')} run ({steps_text(steps)}): non-finite gradients, weights not updated, with no loss "
-            f"scale to back off, so nothing but a log line says so", steps=steps, ranks=[run.ranks[0]],
+            "silent_skips", "warning", f"DeepSpeed skipped {n} step{plural} of this {ds.get('dtype')} run "
+            f"(step{plural} {steps_text(steps)}): non-finite gradients, weights not updated, with no loss scale to "
+            f"back off, so nothing but a log line says so", steps=steps, ranks=[run.ranks[0]],
             evidence={"skipped": n, "steps": steps, "engine_skipped_steps": ds.get("skipped_steps"),
                       "stage": ds.get("stage"), "dtype": ds.get("dtype")},
             details=[f"engine.skipped_steps = {ds.get('skipped_steps')} at the end of the recording; "
-                     f"engine.was_step_applied() was False after steps {steps_text(steps)}"],
+                     f"engine.was_step_applied() was False after step{plural} {steps_text(steps)}"],
             recommendation="DeepSpeed drops a step whose gradients hold inf/nan also without loss scaling (bf16): "
                            "each one loses a batch, and a persistent cause stops training silently. Find where the "
                            "inf/nan start (the nonfinite_gradient / forward_overflow findings name the tensor) and "
@@ -308,10 +309,11 @@ def deepspeed_findings(facts: Facts) -> list[dict]:
         if pinned.size:
             steps = run.steps[pinned].tolist()
             n_min = int(at_min.sum())
+            plural = "s" if len(steps) > 1 else ""
             out.append(finding(
                 "scale_at_minimum", "error", f"the loss scale is pinned at min_loss_scale {scale_text(float(floor))}: "
-                f"{len(steps)} step{'s' if len(steps) > 1 else ''} overflowed at the minimum ({steps_text(steps)}), "
-                f"where DeepSpeed cannot back off further", steps=steps, ranks=[run.ranks[0]],
+                f"{len(steps)} step{plural} overflowed at the minimum (step{plural} {steps_text(steps)}), where "
+                f"DeepSpeed cannot back off further", steps=steps, ranks=[run.ranks[0]],
                 evidence={"min_loss_scale": float(floor), "steps_at_minimum": n_min, "skipped_at_minimum": len(steps),
                           "hysteresis": ds.get("hysteresis"), "engine_skipped_steps": ds.get("skipped_steps")},
                 details=[f"{n_min} of {run.n_steps} steps ran at the minimum scale; skipped among them: "

@@ -114,6 +114,9 @@ def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage
     assert run.loss_scale.tolist() == [[1.0] * 4] * 2 and not run.skipped.any()
     assert np.isfinite(run.loss).all()                                   # the mean of each step's micro-batch losses
     assert run.diagnose()["clean"]
+    from ampviz.report import summary_rows
+    text = dict(summary_rows(run))["loss scale"]                       # what `ampviz info` prints
+    assert text == f"2^0 (constant); DeepSpeed ZeRO {stage} bf16, no dynamic loss scaling"
 
 
 @pytest.mark.slow
@@ -143,6 +146,9 @@ def test_fp16_zero2_unscaled_exactly_and_a_scale_pinned_at_min_loss_scale_is_fou
     pinned = [f for f in run.diagnose()["findings"] if f["check"] == "scale_at_minimum"]
     assert len(pinned) == 1 and pinned[0]["steps"] == [1] and pinned[0]["severity"] == "error"
     assert not any(f["check"] == "silent_skips" for f in run.diagnose()["findings"])
+    from ampviz.report import summary_rows
+    assert dict(summary_rows(run))["loss scale"].endswith(
+        "DeepSpeed ZeRO 2 fp16, dynamic loss scaler (min 2^8, hysteresis 2, x2 after 2 clean steps)")
 
 
 @pytest.mark.slow
