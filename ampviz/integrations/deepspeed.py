@@ -21,7 +21,9 @@ It is an ``ampviz.Recorder`` on ``engine.module`` whose weight gradients and los
   - ZeRO 0: each parameter's ``.grad`` (all-reduced: every rank counts the full gradient);
   - ZeRO 1 and 2: this rank's partition of the averaged gradients (``optimizer.averaged_gradients``), split
     per parameter by DeepSpeed's own fragment mapping (``param._hp_mapping``, the one ``safe_get_full_grad``
-    reads before it all-reduces); a parameter with no fragment on this rank leaves its row empty;
+    reads before it all-reduces); a parameter with no fragment on this rank leaves its row empty. ZeRO 1 with bf16
+    parameters and fp32 gradient accumulation runs ``BF16_Optimizer``, which keeps a full fp32 gradient on every
+    rank: only this rank's fragment of it is counted;
   - ZeRO 3: each parameter's local gradient partition (``safe_get_local_grad``), without the padding of the
     last partition.
 

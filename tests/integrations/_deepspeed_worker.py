@@ -33,7 +33,8 @@ def config(case: dict) -> dict:
                **case.get("fp16", {})} if dtype == "fp16" else {}
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUM,
             "zero_optimization": {"stage": case["stage"]}, dtype: {"enabled": True, **scaling},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+            **({"data_types": case["data_types"]} if "data_types" in case else {})}
 
 
 def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
@@ -73,10 +74,11 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     finally:
         if rec is not None:
             rec.__exit__(None, None, None)
+    restored = "step" not in vars(engine.optimizer)                  # the wrapper is gone after the recording
     weights = [p.detach().float().clone() for p in _full_params(engine)]
     return {"oracle": np.asarray(oracle), "scales": scales, "applied": applied, "skipped": skipped,
             "weights": weights, "names": [n for n, _ in engine.module.named_parameters()],
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "step_restored": restored}
 
 
 def _full_params(engine):
@@ -103,7 +105,7 @@ def run(rank, world, port, out_dir, cases):
             with open(os.path.join(out_dir, f"{case['name']}.rank{rank}.json"), "w") as f:
                 json.dump({"bit_identical": same, "scales": recorded["scales"], "applied": recorded["applied"],
                            "skipped": recorded["skipped"], "names": recorded["names"],
-                           "optimizer": recorded["optimizer"],
+                           "optimizer": recorded["optimizer"], "step_restored": recorded["step_restored"],
                            "plain": {k: plain[k] for k in ("scales", "applied", "skipped")}}, f)
         torch.distributed.barrier()
         code = 0

@@ -26,6 +26,9 @@ import ampviz
 deepspeed = pytest.importorskip("deepspeed")
 
 BF16 = [{"name": f"zero{s}", "stage": s, "dtype": "bf16"} for s in (0, 1, 2, 3)]
+# bf16 parameters with fp32 gradient accumulation: ZeRO 1 runs DeepSpeed's BF16_Optimizer (a full fp32 gradient
+# buffer on every rank, of which each rank's fragment is counted)
+BF16_FP32_ACCUM = {"name": "zero1_fp32_accum", "stage": 1, "dtype": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}
 BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1}
 # fp16 from the minimum: the planted overflow cannot back off (hysteresis 2 keeps the run alive at the minimum)
 FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
@@ -49,7 +52,7 @@ needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator ha
 def runs(tmp_path_factory):
     import _deepspeed_worker
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = BF16 + [BF16_INF] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
+    cases = BF16 + [BF16_FP32_ACCUM, BF16_INF] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -96,7 +99,7 @@ def check_exact(run, engine, oracle, stage):
     assert acts and (run.counts[:, :, acts].sum(axis=-1) > 0).all()
     # training unchanged, the engine's scale and skips
     for r in (0, 1):
-        assert engine[r]["bit_identical"]
+        assert engine[r]["bit_identical"] and engine[r]["step_restored"]
         assert run.next_scale[r].tolist() == engine[r]["scales"]
         assert run.skipped[r].tolist() == [not a for a in engine[r]["applied"]]
         assert engine[r]["plain"] == {k: engine[r][k] for k in ("scales", "applied", "skipped")}
@@ -117,6 +120,13 @@ def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage
     from ampviz.report import summary_rows
     text = dict(summary_rows(run))["loss scale"]                       # what `ampviz info` prints
     assert text == f"2^0 (constant); DeepSpeed ZeRO {stage} bf16, no dynamic loss scaling"
+
+
+@pytest.mark.slow
+def test_bf16_with_fp32_gradient_accumulation_in_deepspeeds_bf16_optimizer_is_exact(runs):
+    run, engine, oracle = runs("zero1_fp32_accum")
+    assert engine[0]["optimizer"] == "BF16_Optimizer"
+    check_exact(run, engine, oracle, 1)
 
 
 @pytest.mark.slow
