@@ -169,8 +169,8 @@ class _Engine:
             return None
         opt = self.engine.optimizer
         grads = getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", None)
-        if grads is not None and not getattr(opt, "offload_optimizer", False) and p.ds_id in grads:
-            g = grads[p.ds_id]                         # the partition itself: no fp32 copy
+        if grads is not None and not getattr(opt, "offload_optimizer", False):
+            g = grads.get(p.ds_id)                     # the partition itself: no fp32 copy (None: no gradient)
         else:
             from deepspeed.utils import safe_get_local_grad
             g = safe_get_local_grad(p)
@@ -234,6 +234,15 @@ class _Engine:
             "skipped_steps": int(engine.skipped_steps)}}
 
 
+def _warn_unreadable(source: _Engine, error: Exception) -> None:
+    import deepspeed
+
+    from .._warnings import warn
+    warn(f"Recorder: could not read the ZeRO {source.stage} gradient partitions of deepspeed {deepspeed.__version__} "
+         f"({type(error).__name__}: {error}); weight gradients are not recorded from here on (activations, loss, "
+         f"scale and skipped steps still are). ampviz.integrations.deepspeed is tested with deepspeed 0.19.8.")
+
+
 class _StepWatch:
     """``engine.optimizer.step`` wrapped on the instance: counts the weight gradients, then steps. ``remove()`` puts
     back what was there, if it is still ours."""
@@ -242,12 +251,16 @@ class _StepWatch:
         self.optimizer = opt = source.engine.optimizer
         self.before = vars(opt).get("step")
         original = opt.step
-        self.installed = True
+        self.installed = self.reading = True
 
         def step(*args: Any, **kwargs: Any) -> Any:
             if self.installed:
-                capture.count_weights_from(source.parts())
                 source.stepped += 1
+                try:
+                    capture.count_weights_from(source.parts() if self.reading else ())     # () still counts the step
+                except Exception as e:                  # never let reading DeepSpeed's internals stop training
+                    self.reading = False
+                    _warn_unreadable(source, e)
             return original(*args, **kwargs)
         self.wrapper = step
         opt.step = step

@@ -7,6 +7,7 @@ through torch.multiprocessing.spawn; one spawn runs every case given (DeepSpeed'
 import faulthandler
 import json
 import os
+import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -50,6 +51,13 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     g = torch.Generator().manual_seed(100 + rank)                  # each rank its own data
     oracle, scales, applied, skipped = [], [], [], []
     rec = Recorder(engine, path=os.path.join(out_dir, case["name"]), activations=True) if record else None
+    if rec is not None and case.get("unreadable"):
+        def unreadable(p):                             # as if a DeepSpeed release had moved its partitions
+            raise AttributeError("planted: no _hp_mapping")
+        rec._framework._local = unreadable
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     if rec is not None:
         rec.__enter__()
     try:
@@ -74,11 +82,13 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     finally:
         if rec is not None:
             rec.__exit__(None, None, None)
+        caught.__exit__(None, None, None)
     restored = "step" not in vars(engine.optimizer)                  # the wrapper is gone after the recording
     weights = [p.detach().float().clone() for p in _full_params(engine)]
     return {"oracle": np.asarray(oracle), "scales": scales, "applied": applied, "skipped": skipped,
             "weights": weights, "names": [n for n, _ in engine.module.named_parameters()],
-            "optimizer": type(engine.optimizer).__name__, "step_restored": restored}
+            "optimizer": type(engine.optimizer).__name__, "step_restored": restored,
+            "warnings": [str(w.message) for w in seen if "ampviz" in type(w.message).__module__]}
 
 
 def _full_params(engine):
@@ -106,6 +116,7 @@ def run(rank, world, port, out_dir, cases):
                 json.dump({"bit_identical": same, "scales": recorded["scales"], "applied": recorded["applied"],
                            "skipped": recorded["skipped"], "names": recorded["names"],
                            "optimizer": recorded["optimizer"], "step_restored": recorded["step_restored"],
+                           "warnings": recorded["warnings"],
                            "plain": {k: plain[k] for k in ("scales", "applied", "skipped")}}, f)
         torch.distributed.barrier()
         code = 0

@@ -29,6 +29,8 @@ BF16 = [{"name": f"zero{s}", "stage": s, "dtype": "bf16"} for s in (0, 1, 2, 3)]
 # bf16 parameters with fp32 gradient accumulation: ZeRO 1 runs DeepSpeed's BF16_Optimizer (a full fp32 gradient
 # buffer on every rank, of which each rank's fragment is counted)
 BF16_FP32_ACCUM = {"name": "zero1_fp32_accum", "stage": 1, "dtype": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}
+# a DeepSpeed whose partitions cannot be read (planted): training goes on unchanged, with a warning
+UNREADABLE = {"name": "zero2_unreadable", "stage": 2, "dtype": "bf16", "unreadable": True}
 BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1}
 # fp16 from the minimum: the planted overflow cannot back off (hysteresis 2 keeps the run alive at the minimum)
 FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
@@ -52,7 +54,7 @@ needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator ha
 def runs(tmp_path_factory):
     import _deepspeed_worker
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = BF16 + [BF16_FP32_ACCUM, BF16_INF] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
+    cases = BF16 + [BF16_FP32_ACCUM, BF16_INF, UNREADABLE] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,7 +101,7 @@ def check_exact(run, engine, oracle, stage):
     assert acts and (run.counts[:, :, acts].sum(axis=-1) > 0).all()
     # training unchanged, the engine's scale and skips
     for r in (0, 1):
-        assert engine[r]["bit_identical"] and engine[r]["step_restored"]
+        assert engine[r]["bit_identical"] and engine[r]["step_restored"] and engine[r]["warnings"] == []
         assert run.next_scale[r].tolist() == engine[r]["scales"]
         assert run.skipped[r].tolist() == [not a for a in engine[r]["applied"]]
         assert engine[r]["plain"] == {k: engine[r][k] for k in ("scales", "applied", "skipped")}
@@ -127,6 +129,19 @@ def test_bf16_with_fp32_gradient_accumulation_in_deepspeeds_bf16_optimizer_is_ex
     run, engine, oracle = runs("zero1_fp32_accum")
     assert engine[0]["optimizer"] == "BF16_Optimizer"
     check_exact(run, engine, oracle, 1)
+
+
+@pytest.mark.slow
+def test_partitions_it_cannot_read_cost_a_warning_not_the_training(runs):
+    run, engine, _ = runs("zero2_unreadable")
+    for r in (0, 1):
+        assert engine[r]["bit_identical"] and engine[r]["step_restored"]
+        assert len(engine[r]["warnings"]) == 1
+        assert "could not read the ZeRO 2 gradient partitions" in engine[r]["warnings"][0]
+        assert "AttributeError: planted" in engine[r]["warnings"][0]
+    assert run.counts[:, :, run.tensors_of("weight")].sum() == 0
+    assert (run.counts[:, :, run.tensors_of("activation")].sum(axis=-1) > 0).all()
+    assert run.next_scale[0].tolist() == engine[0]["scales"] and not run.skipped.any()
 
 
 @pytest.mark.slow
