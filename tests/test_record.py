@@ -433,3 +433,14 @@ def test_a_framework_that_keeps_gradients_and_scaler_itself_counts_weights_and_g
     assert run.skipped[0].tolist() == [False, True, False]                # as given, though every scale went down
     assert run.meta["framework"] == {"steps": 3}
     assert (run.counts[0][:, run.tensors_of("activation")].sum(axis=-1) > 0).all()
+
+
+def test_a_deepspeed_engine_given_as_the_model_is_sent_to_the_integration():
+    # told by its class name and module (deepspeed is not imported): a stand-in class like DeepSpeed's
+    engine_class = type("DeepSpeedEngine", (nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    engine = type("PipelineEngine", (engine_class,), {"__module__": "deepspeed.runtime.pipe.engine"})()
+    with pytest.raises(TypeError, match=r"model: a DeepSpeed engine \(PipelineEngine\); record it with "
+                                        r"ampviz.integrations.deepspeed.Recorder\(engine\)"):
+        ampviz.Recorder(engine)
+    from ampviz.integrations.deepspeed import is_engine
+    assert is_engine(engine) and not is_engine(nn.Linear(1, 1))
