@@ -33,7 +33,7 @@ def config(case: dict) -> dict:
     scaling = {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 1,
                **case.get("fp16", {})} if dtype == "fp16" else {}
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": ACCUM,
-            "zero_optimization": {"stage": case["stage"]}, dtype: {"enabled": True, **scaling},
+            "zero_optimization": {"stage": case["stage"], **case.get("zero", {})}, dtype: {"enabled": True, **scaling},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
             **({"data_types": case["data_types"]} if "data_types" in case else {})}
 

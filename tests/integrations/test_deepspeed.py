@@ -26,6 +26,12 @@ import ampviz
 deepspeed = pytest.importorskip("deepspeed")
 
 BF16 = [{"name": f"zero{s}", "stage": s, "dtype": "bf16"} for s in (0, 1, 2, 3)]
+# the bucketed, overlapped reduction (small buckets: several per step), and ZeRO 3 with every parameter partitioned
+BUCKETS = [{"name": "zero2_buckets", "stage": 2, "dtype": "bf16", "zero": {
+               "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 64,
+               "allgather_bucket_size": 64}},
+           {"name": "zero3_buckets", "stage": 3, "dtype": "bf16", "zero": {
+               "overlap_comm": True, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0}}]
 # bf16 parameters with fp32 gradient accumulation: ZeRO 1 runs DeepSpeed's BF16_Optimizer (a full fp32 gradient
 # buffer on every rank, of which each rank's fragment is counted)
 BF16_FP32_ACCUM = {"name": "zero1_fp32_accum", "stage": 1, "dtype": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}
@@ -54,7 +60,7 @@ needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator ha
 def runs(tmp_path_factory):
     import _deepspeed_worker
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = BF16 + [BF16_FP32_ACCUM, BF16_INF, UNREADABLE] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
+    cases = BF16 + BUCKETS + [BF16_FP32_ACCUM, BF16_INF, UNREADABLE] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -122,6 +128,13 @@ def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage
     from ampviz.report import summary_rows
     text = dict(summary_rows(run))["loss scale"]                       # what `ampviz info` prints
     assert text == f"2^0 (constant); DeepSpeed ZeRO {stage} bf16, no dynamic loss scaling"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BUCKETS, ids=[c["name"] for c in BUCKETS])
+def test_small_overlapped_reduce_buckets_are_exact(runs, case):
+    run, engine, oracle = runs(case["name"])
+    check_exact(run, engine, oracle, case["stage"])
 
 
 @pytest.mark.slow
