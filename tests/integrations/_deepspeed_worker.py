@@ -50,7 +50,8 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     half = torch.bfloat16 if dtype == "bf16" else torch.float16
     g = torch.Generator().manual_seed(100 + rank)                  # each rank its own data
     oracle, scales, applied, skipped = [], [], [], []
-    rec = Recorder(engine, path=os.path.join(out_dir, case["name"]), activations=True) if record else None
+    options = {"activations": True, **case.get("options", {})}
+    rec = Recorder(engine, path=os.path.join(out_dir, case["name"]), **options) if record else None
     if rec is not None and case.get("unreadable"):
         def unreadable(p):                             # as if a DeepSpeed release had moved its partitions
             raise AttributeError("planted: no _hp_mapping")

@@ -32,6 +32,8 @@ BUCKETS = [{"name": "zero2_buckets", "stage": 2, "dtype": "bf16", "zero": {
                "allgather_bucket_size": 64}},
            {"name": "zero3_buckets", "stage": 3, "dtype": "bf16", "zero": {
                "overlap_comm": True, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0}}]
+# histograms every other step, of the second layer's weights only
+EVERY = {"name": "zero1_every2", "stage": 1, "dtype": "bf16", "options": {"every": 2, "weights": r"^2\."}}
 # bf16 parameters with fp32 gradient accumulation: ZeRO 1 runs DeepSpeed's BF16_Optimizer (a full fp32 gradient
 # buffer on every rank, of which each rank's fragment is counted)
 BF16_FP32_ACCUM = {"name": "zero1_fp32_accum", "stage": 1, "dtype": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}
@@ -60,7 +62,7 @@ needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator ha
 def runs(tmp_path_factory):
     import _deepspeed_worker
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = BF16 + BUCKETS + [BF16_FP32_ACCUM, BF16_INF, UNREADABLE] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
+    cases = BF16 + BUCKETS + [EVERY, BF16_FP32_ACCUM, BF16_INF, UNREADABLE] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -135,6 +137,16 @@ def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage
 def test_small_overlapped_reduce_buckets_are_exact(runs, case):
     run, engine, oracle = runs(case["name"])
     check_exact(run, engine, oracle, case["stage"])
+
+
+@pytest.mark.slow
+def test_every_other_step_and_a_weight_filter(runs):
+    run, engine, oracle = runs("zero1_every2")
+    w = run.tensors_of("weight")
+    assert [run.tensor_names[t] for t in w] == ["2.weight", "2.bias"] and run.hist_steps.tolist() == [0, 2]
+    np.testing.assert_array_equal(run.counts[:, :, w].sum(axis=0), oracle[0][[0, 2]][:, 2:])
+    assert run.n_steps == 4 and run.next_scale[0].tolist() == engine[0]["scales"]
+    assert all(e["bit_identical"] and e["warnings"] == [] for e in engine)
 
 
 @pytest.mark.slow
