@@ -120,7 +120,11 @@ class Facts:
         self.weight_rows = run.tensors_of("weight")
         dtypes = {run.tensor_dtypes[t] for t in run.tensors_of(("activation", "output"))}
         self.has_scaler = bool(run.meta.get("scaler"))
-        if "torch.float16" in dtypes or (self.has_scaler and "torch.bfloat16" not in dtypes):
+        # the backward ran multiplied by a loss scale: a GradScaler, or DeepSpeed's own fp16 scaler
+        # (``ampviz.integrations.deepspeed``); then an overflow can be the scale's doing
+        deepspeed = run.meta.get("deepspeed")
+        self.loss_scaled = self.has_scaler or (isinstance(deepspeed, dict) and deepspeed.get("dtype") == "fp16")
+        if "torch.float16" in dtypes or (self.loss_scaled and "torch.bfloat16" not in dtypes):
             self.precision = "fp16"
         elif "torch.bfloat16" in dtypes:
             self.precision = "bf16"

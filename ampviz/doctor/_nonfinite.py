@@ -157,7 +157,7 @@ def _edge_gap(facts: Facts, r: int, h: int, p: int, clean_rows: np.ndarray, t: i
 def _source_cause(facts: Facts, src: dict) -> str:
     if src["nearest_loss"] and src["nan"] and not src["inf"]:
         return "forward"            # the loss's own backward gave nan: the loss or the output was not finite
-    if not facts.has_scaler or (src["nan"] and not src["inf"]):
+    if not facts.loss_scaled or (src["nan"] and not src["inf"]):
         return "not the loss scale"
     if src["clipped"]:              # the clip erased its finite values (and shrank its neighbours'): no evidence
         return "loss scale"         # against the ordinary explanation of an inf at a scaled step

@@ -43,6 +43,9 @@ BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1}
 # fp16 from the minimum: the planted overflow cannot back off (hysteresis 2 keeps the run alive at the minimum)
 FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
             "fp16": {"min_loss_scale": 256, "hysteresis": 2}}
+# fp16 from 2**20 without hysteresis: the first steps overflow because of the scale, which halves each time
+FP16_HIGH = {"name": "fp16_zero2_high", "stage": 2, "dtype": "fp16",
+             "fp16": {"initial_scale_power": 20, "hysteresis": 1}}
 FP16_ZERO0 = {"name": "fp16_zero0", "stage": 0, "dtype": "fp16", "inf_at": 1}
 
 
@@ -62,7 +65,8 @@ needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator ha
 def runs(tmp_path_factory):
     import _deepspeed_worker
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = BF16 + BUCKETS + [EVERY, BF16_FP32_ACCUM, BF16_INF, UNREADABLE] + ([FP16_MIN, FP16_ZERO0] if FP16 else [])
+    cases = BF16 + BUCKETS + [EVERY, BF16_FP32_ACCUM, BF16_INF, UNREADABLE]
+    cases += [FP16_MIN, FP16_HIGH, FP16_ZERO0] if FP16 else []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -199,6 +203,22 @@ def test_fp16_zero2_unscaled_exactly_and_a_scale_pinned_at_min_loss_scale_is_fou
     from ampviz.report import summary_rows
     assert dict(summary_rows(run))["loss scale"].endswith(
         "DeepSpeed ZeRO 2 fp16, dynamic loss scaler (min 2^8, hysteresis 2, x2 after 2 clean steps)")
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_overflows_of_a_too_high_scale_are_the_scales_not_the_models(runs):
+    run, engine, oracle = runs("fp16_zero2_high")
+    check_exact(run, engine, oracle, 2)
+    assert engine[0]["applied"] == [False, False, False, True]
+    assert run.skipped.tolist() == [[True, True, True, False]] * 2
+    assert run.loss_scale[0].tolist() == [2.0 ** 20, 2.0 ** 19, 2.0 ** 18, 2.0 ** 17]
+    report = run.diagnose()
+    assert report["run"]["precision"] == "fp16"
+    # DeepSpeed's scale multiplied the backward: the first overflow is read as the scale's, not the model's
+    first = [e for e in report["nonfinite_steps"] if e["step"] == 0]
+    assert first and {e["cause"] for e in first} == {"loss scale"}
+    assert not {"nonfinite_gradient", "silent_skips", "scale_at_minimum"} & {f["check"] for f in report["findings"]}
 
 
 @pytest.mark.slow
