@@ -24,8 +24,8 @@ It is an ``ampviz.Recorder`` on ``engine.module`` whose weight gradients and los
     reads before it all-reduces); a parameter with no fragment on this rank leaves its row empty. ZeRO 1 with bf16
     parameters and fp32 gradient accumulation runs ``BF16_Optimizer``, which keeps a full fp32 gradient on every
     rank: only this rank's fragment of it is counted;
-  - ZeRO 3: each parameter's local gradient partition (``safe_get_local_grad``), without the padding of the
-    last partition.
+  - ZeRO 3: each parameter's local gradient partition (what ``safe_get_local_grad`` returns, read from the
+    optimizer's partition dict without its fp32 copy), without the padding of the last partition.
 
   Under ZeRO 1 to 3 each rank counts its own disjoint part, so the ranks' counts add up to the histogram of the
   full gradient (``run.meta["deepspeed"]["weights"]`` is ``"partition"``; ``"full"`` under ZeRO 0). Nothing is
@@ -46,7 +46,8 @@ It is an ``ampviz.Recorder`` on ``engine.module`` whose weight gradients and los
 
 ``rec.step(loss)`` may be called after every ``engine.step()``: a step is recorded only when the engine's
 optimizer really stepped (the gradient-accumulation boundary), with the mean of the losses given since the last
-recorded step. ``deepspeed`` is imported only when this module is used; ``import ampviz`` never imports it.
+recorded step. Importing this module does not import ``deepspeed`` (an engine is told by its class names); the
+recording reads ``deepspeed.__version__`` into ``run.meta`` once the loop has imported it.
 """
 
 from __future__ import annotations
