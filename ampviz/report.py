@@ -81,7 +81,9 @@ def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
         rows.append(("loss", f"{loss[0]:.4g} at step {run.steps[0]} -> {loss[-1]:.4g} at step {run.steps[-1]}"))
     constant = s["scale_min"] == s["scale_max"]
     scale_range = format_scale(s["scale_min"]) + (" (constant)" if constant else f" .. {format_scale(s['scale_max'])}")
-    rows.append(("loss scale", f"{scale_range}; {_scaler_text(s['scaler'])}"))
+    deepspeed = run.meta.get("deepspeed")
+    scaler_text = _deepspeed_text(deepspeed) if isinstance(deepspeed, dict) else _scaler_text(s["scaler"])
+    rows.append(("loss scale", f"{scale_range}; {scaler_text}"))
     rows.append(("skipped", _skipped_text(run)))
     kinds = {k: run.tensor_kinds.count(k) for k in dict.fromkeys(run.tensor_kinds)}
     domains = run.meta.get("domains", {})
@@ -118,6 +120,17 @@ def _flushed_text(flushed: list) -> str:
 
 def _worst(fraction: float, tensor) -> str:
     return f"{_percent(fraction)} ({tensor})" if fraction > 0 and tensor else "0%"
+
+
+def _deepspeed_text(ds: dict) -> str:
+    """The loss scaler of a run recorded from a DeepSpeed engine (``run.meta["deepspeed"]``)."""
+    where = f"DeepSpeed ZeRO {ds.get('stage')} {ds.get('dtype')}"
+    if not ds.get("dynamic_loss_scale"):
+        return f"{where}, no dynamic loss scaling"
+    parts = [f"min {format_scale(ds['min_loss_scale'])}" if ds.get("min_loss_scale") is not None else "",
+             f"hysteresis {ds['hysteresis']}" if ds.get("hysteresis") is not None else "",
+             f"x2 after {ds['scale_window']} clean steps" if ds.get("scale_window") is not None else ""]
+    return f"{where}, dynamic loss scaler ({', '.join(p for p in parts if p)})"
 
 
 def _scaler_text(scaler) -> str:

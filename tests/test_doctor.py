@@ -595,3 +595,42 @@ def test_the_report_of_a_flushed_run_with_many_tensors_shows_and_names_the_flush
     section = report_html([run], labels=["flushed"]).split('<h2 id="run0">', 1)[1]
     assert "none loses a value" not in section and "already flushed to exact zeros" in section
     assert "[error] gradient_underflow" in section and "flushed to zero 0%" not in section
+
+
+def _deepspeed_run(dtype: str, scales: list, skipped: list, **ds) -> ampviz.Run:
+    """A run as ampviz.integrations.deepspeed records one (meta["deepspeed"]; skipped as the engine said), without
+    histograms: the DeepSpeed checks read only the scale trace and the meta."""
+    n = len(scales)
+    scale = np.asarray(scales, dtype=float)[None]
+    nxt = np.concatenate([scale[:, 1:], scale[:, -1:]], axis=1)
+    meta = {"ranks": [0], "world_size": 1, "every": 1,
+            "deepspeed": {"stage": 2, "dtype": dtype, "skipped_steps": int(sum(skipped)), "hysteresis": 2,
+                          "min_loss_scale": None, "dynamic_loss_scale": dtype == "fp16", **ds}}
+    return ampviz.Run(np.arange(n), np.ones((1, n)), scale, nxt, np.asarray(skipped, bool)[None], np.zeros(0, np.int64),
+                      np.zeros((1, 0, 1, H.NBINS), np.int64), ["w"], ["weight"], ["torch.bfloat16"], meta)
+
+
+def test_deepspeed_bf16_skips_are_found_though_no_scale_moves():
+    run = _deepspeed_run("bf16", [1.0] * 5, [False, False, True, False, True])
+    found = {f["check"]: f for f in diagnose(run)["findings"]}
+    assert found["silent_skips"]["steps"] == [2, 4] and found["silent_skips"]["severity"] == "warning"
+    assert "DeepSpeed skipped 2 steps of this bf16 run (steps 2, 4)" in found["silent_skips"]["summary"]
+    assert "scale_at_minimum" not in found
+    assert {c["check"] for c in diagnose(run)["checks"]} >= {"DeepSpeed's skips and scale"}
+    assert not diagnose(_deepspeed_run("bf16", [1.0] * 3, [False] * 3))["findings"]
+
+
+def test_deepspeed_fp16_scale_pinned_at_min_loss_scale():
+    pinned = _deepspeed_run("fp16", [1024.0, 512.0, 256.0, 256.0, 256.0], [True, True, False, True, False],
+                            min_loss_scale=256.0)
+    found = {f["check"]: f for f in diagnose(pinned)["findings"]}
+    assert found["scale_at_minimum"]["steps"] == [3] and found["scale_at_minimum"]["severity"] == "error"
+    assert found["scale_at_minimum"]["evidence"]["steps_at_minimum"] == 3
+    assert "silent_skips" not in found                                   # fp16: the scale shows its skips
+    above = _deepspeed_run("fp16", [1024.0, 512.0, 512.0], [True, False, False], min_loss_scale=256.0)
+    assert "scale_at_minimum" not in {f["check"] for f in diagnose(above)["findings"]}
+    # a run without meta["deepspeed"] never gets these checks
+    plain = _deepspeed_run("bf16", [1.0] * 2, [False, True])
+    del plain.meta["deepspeed"]
+    assert not {"silent_skips", "scale_at_minimum"} & {f["check"] for f in diagnose(plain)["findings"]}
+    assert "DeepSpeed's skips and scale" not in {c["check"] for c in diagnose(plain)["checks"]}

@@ -377,3 +377,70 @@ def test_weight_gradients_are_unscaled_for_a_fused_optimizer_under_a_grad_scaler
     same = slice(0, int(np.argmax(applied)) + 1)
     np.testing.assert_array_equal(fused.counts[0, same], plain.counts[0, same])
     assert fused.counts[0, skipped][..., H.ABOVE].sum() + fused.counts[0, skipped][..., H.NAN].sum() > 0
+
+
+def test_a_framework_that_keeps_gradients_and_scaler_itself_counts_weights_and_gives_scale_and_skips():
+    # the contract ampviz.integrations.deepspeed fills (Recorder._framework), here with a plain SGD loop: the
+    # framework counts the weights itself just before its step (no .grad hooks of the recorder's), and gives
+    # each step's scale and skipped flag, which are recorded as given (not derived from the scale)
+    from ampviz import histogram as H
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+
+    class Framework:
+        steps, removed = 0, False
+
+        def install(self, capture):
+            framework = self
+
+            class Handle:
+                def remove(self):
+                    framework.removed = True
+            self.capture = capture
+            return Handle()
+
+        def before_step(self):
+            self.capture.count_weights_from((i, p.grad[:1]) for i, p in enumerate(params))   # a "partition"
+            self.steps += 1
+
+        def scale(self):
+            return 2.0 ** (8 - self.steps)
+
+        def skipped(self):
+            return self.steps == 2
+
+        def meta(self):
+            return {"framework": {"steps": self.steps}}
+
+    rec = ampviz.Recorder(model)
+    rec._framework = fw = Framework()
+    expected = []
+    with rec:
+        for _ in range(3):
+            F.mse_loss(model(torch.randn(5, 4)), torch.zeros(5, 2)).backward()
+            expected.append([H.histogram(p.grad[:1]).numpy() for p in params])
+            fw.before_step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec.step()
+    run = rec.run
+    assert fw.removed
+    w = run.tensors_of("weight")
+    np.testing.assert_array_equal(run.counts[0][:, w], np.asarray(expected))
+    assert run.next_scale[0].tolist() == [128.0, 64.0, 32.0] and run.loss_scale[0].tolist() == [256.0, 128.0, 64.0]
+    assert run.skipped[0].tolist() == [False, True, False]                # as given, though every scale went down
+    assert run.meta["framework"] == {"steps": 3}
+    assert (run.counts[0][:, run.tensors_of("activation")].sum(axis=-1) > 0).all()
+
+
+def test_a_deepspeed_engine_given_as_the_model_is_sent_to_the_integration():
+    # told by its class name and module (deepspeed is not imported): a stand-in class like DeepSpeed's
+    engine_class = type("DeepSpeedEngine", (nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    engine = type("PipelineEngine", (engine_class,), {"__module__": "deepspeed.runtime.pipe.engine"})()
+    with pytest.raises(TypeError, match=r"model: a DeepSpeed engine \(PipelineEngine\); record it with "
+                                        r"ampviz.integrations.deepspeed.Recorder\(engine\)"):
+        ampviz.Recorder(engine)
+    from ampviz.integrations.deepspeed import is_engine
+    assert is_engine(engine) and not is_engine(nn.Linear(1, 1))

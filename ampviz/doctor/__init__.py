@@ -25,7 +25,10 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
 * ``scaler_unused`` (error): the GradScaler given to the Recorder never stepped while it recorded, so the
   scale and skips recorded are not the loop's (the other scale checks are then not run);
 * ``ranks_disagree`` (error): DDP ranks whose scales or skips differ;
-* ``scheduler_on_skipped`` (warning): LR-scheduler steps taken on skipped steps (``Run.scheduler_steps``).
+* ``scheduler_on_skipped`` (warning): LR-scheduler steps taken on skipped steps (``Run.scheduler_steps``);
+* ``silent_skips`` (warning), ``scale_at_minimum`` (error): runs recorded from a DeepSpeed engine
+  (``ampviz.integrations.deepspeed``, ``run.meta["deepspeed"]``): steps DeepSpeed skipped in a bf16 (or fp32) run,
+  which has no loss scale to show them; an fp16 scale pinned at ``min_loss_scale`` while steps still overflow.
 
 Every finding is a dict: ``check``, ``severity`` ("error", "warning", "info"), ``summary`` (one line),
 ``steps``, ``tensors``, ``ranks``, ``evidence`` (numbers), ``details`` (evidence in words) and
@@ -44,7 +47,7 @@ from ._facts import SEVERITIES, Facts, plain
 from ._forward import forward_findings
 from ._nonfinite import CAUSES, nonfinite_findings, step_causes
 from ._render import as_html, as_text, headline
-from ._scale import rank_findings, scale_findings
+from ._scale import deepspeed_findings, rank_findings, scale_findings
 from ._scheduler import scheduler_findings
 from ._switch import switch_table
 from ._underflow import flushed_in_backward as _flushed_in_backward
@@ -54,7 +57,7 @@ __all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", 
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
           "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",
-          "scaler_unused")
+          "scaler_unused", "silent_skips", "scale_at_minimum")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -75,7 +78,8 @@ def diagnose(run: Run) -> dict:
     facts = Facts(run)
     causes = step_causes(facts)
     found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + underflow_findings(facts)
-             + scale_findings(facts, causes) + rank_findings(facts) + scheduler_findings(facts))
+             + scale_findings(facts, causes) + deepspeed_findings(facts) + rank_findings(facts)
+             + scheduler_findings(facts))
     found.sort(key=lambda f: _RANK[f["severity"]])
     return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
                           "precision": facts.precision, "scaler": facts.has_scaler,
@@ -108,6 +112,8 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
              "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),
             ("can I switch precision", facts.precision != "fp16", "already fp16", [])]
+    if run.meta.get("deepspeed"):                 # only runs recorded from a DeepSpeed engine have these facts
+        rows.insert(4, ("DeepSpeed's skips and scale", True, "", []))
     out = []
     for name, ran, why, needs in rows:
         empty = facts.empty_rows(needs) if ran and needs else []

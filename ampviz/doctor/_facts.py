@@ -123,7 +123,11 @@ class Facts:
         # the GradScaler given to the Recorder never stepped while it recorded steps (files from ampviz 0.x before
         # "steps_called" was recorded: unknown, taken as used): its scale and skips are not the loop's
         self.scaler_unused = self.has_scaler and run.n_steps > 0 and run.meta["scaler"].get("steps_called") == 0
-        if "torch.float16" in dtypes or (self.has_scaler and "torch.bfloat16" not in dtypes):
+        # the backward ran multiplied by a loss scale: a GradScaler, or DeepSpeed's own fp16 scaler
+        # (``ampviz.integrations.deepspeed``); then an overflow can be the scale's doing
+        deepspeed = run.meta.get("deepspeed")
+        self.loss_scaled = self.has_scaler or (isinstance(deepspeed, dict) and deepspeed.get("dtype") == "fp16")
+        if "torch.float16" in dtypes or (self.loss_scaled and "torch.bfloat16" not in dtypes):
             self.precision = "fp16"
         elif "torch.bfloat16" in dtypes:
             self.precision = "bf16"

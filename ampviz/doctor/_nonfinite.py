@@ -160,7 +160,7 @@ def _source_cause(facts: Facts, src: dict) -> str:
         return "forward"            # the loss's own backward gave nan: the loss or the output was not finite
     if facts.scaler_unused:         # the loop's scale is not the one recorded: nothing says whether it overflowed
         return "unknown"
-    if not facts.has_scaler or (src["nan"] and not src["inf"]):
+    if not facts.loss_scaled or (src["nan"] and not src["inf"]):
         return "not the loss scale"
     if src["clipped"]:              # the clip erased its finite values (and shrank its neighbours'): no evidence
         return "loss scale"         # against the ordinary explanation of an inf at a scaled step

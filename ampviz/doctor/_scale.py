@@ -297,6 +297,58 @@ def _unbounded_finding(sc: _Scales):
                        "the gradients recover, the scale must back off from this height one skipped step per halving.")
 
 
+def deepspeed_findings(facts: Facts) -> list[dict]:
+    """Findings of a run recorded from a DeepSpeed engine (``run.meta["deepspeed"]``, rank 0's trace): steps that
+    DeepSpeed skipped in a run without loss scaling (bf16, fp32), and an fp16 scale pinned at ``min_loss_scale``."""
+    ds = facts.run.meta.get("deepspeed")
+    run = facts.run
+    if not isinstance(ds, dict) or run.n_steps == 0:
+        return []
+    skipped = run.skipped[0]
+    out = []
+    if ds.get("dtype") != "fp16" and skipped.any():
+        pos = np.flatnonzero(skipped)
+        steps = run.steps[pos].tolist()
+        n = len(steps)
+        plural = "s" if n > 1 else ""
+        out.append(finding(
+            "silent_skips", "warning", f"DeepSpeed skipped {n} step{plural} of this {ds.get('dtype')} run "
+            f"(step{plural} {steps_text(steps)}): non-finite gradients, weights not updated, with no loss scale to "
+            f"back off, so nothing but a log line says so", steps=steps, ranks=[run.ranks[0]],
+            evidence={"skipped": n, "steps": steps, "engine_skipped_steps": ds.get("skipped_steps"),
+                      "stage": ds.get("stage"), "dtype": ds.get("dtype")},
+            details=[f"engine.skipped_steps = {ds.get('skipped_steps')} at the end of the recording; "
+                     f"engine.was_step_applied() was False after step{plural} {steps_text(steps)}"],
+            recommendation="DeepSpeed drops a step whose gradients hold inf/nan also without loss scaling (bf16): "
+                           "each one loses a batch, and a persistent cause stops training silently. Find where the "
+                           "inf/nan start (the nonfinite_gradient / forward_overflow findings name the tensor) and "
+                           "fix that op or the data of those steps; check that the LR scheduler does not advance "
+                           "on skipped steps."))
+    floor = ds.get("min_loss_scale")
+    if ds.get("dtype") == "fp16" and floor is not None:
+        at_min = run.loss_scale[0] <= float(floor)
+        pinned = np.flatnonzero(at_min & skipped)
+        if pinned.size:
+            steps = run.steps[pinned].tolist()
+            n_min = int(at_min.sum())
+            plural = "s" if len(steps) > 1 else ""
+            out.append(finding(
+                "scale_at_minimum", "error", f"the loss scale is pinned at min_loss_scale {scale_text(float(floor))}: "
+                f"{len(steps)} step{plural} overflowed at the minimum (step{plural} {steps_text(steps)}), where "
+                f"DeepSpeed cannot back off further", steps=steps, ranks=[run.ranks[0]],
+                evidence={"min_loss_scale": float(floor), "steps_at_minimum": n_min, "skipped_at_minimum": len(steps),
+                          "hysteresis": ds.get("hysteresis"), "engine_skipped_steps": ds.get("skipped_steps")},
+                details=[f"{n_min} of {run.n_steps} steps ran at the minimum scale; skipped among them: "
+                         f"{steps_text(steps)}",
+                         "with raise_error_at_min_scale (DeepSpeed's default) the next such overflow ends the run "
+                         "(\"Current loss scale already at minimum\"); without it every such step is skipped"],
+                recommendation="The gradients overflow fp16 even at the smallest scale allowed: this is not a "
+                               "scaling problem. Lower min_loss_scale only if the overflows are rare spikes; otherwise "
+                               "find the overflowing tensor (nonfinite_gradient), lower the learning rate or clip, "
+                               "or train in bf16."))
+    return out
+
+
 def rank_findings(facts: Facts) -> list[dict]:
     """Under DDP every rank sees the same all-reduced gradients: scales and skips must agree."""
     run = facts.run

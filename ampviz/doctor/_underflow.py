@@ -125,7 +125,7 @@ def underflow_findings(facts: Facts) -> list[dict]:
     worst = flushed[0]
     recorded = run.loss_scale[0][np.searchsorted(run.steps, steps)]
     lo, hi = float(recorded.min()), float(recorded.max())
-    scale = ("no loss scale" if not facts.has_scaler else
+    scale = ("no loss scale" if not facts.loss_scaled else
              f"loss scale {scale_text(lo)}" + (f" .. {scale_text(hi)}" if hi != lo else ""))
     more = len(flushed) - 1
     summary = (f"fp16 flushed gradients to zero in the backward: {_what(worst)}"
@@ -214,7 +214,7 @@ def _advice(facts: Facts, replays: dict, recorded_log2: int) -> str:
     static = next((r for k, r in replays.items() if k.startswith("static")), None)
     best = static["log2_scale"][0] if static else None
     bf16 = " Or train in bf16: it has fp32's range, so these gradients need no loss scale."
-    if not facts.has_scaler:
+    if not facts.loss_scaled:
         return ("Scale the loss: torch.amp.GradScaler(device) starts at 2^16 and grows while no step overflows, "
                 "lifting every gradient of the backward 16 binades or more above fp16's floor"
                 + (f" (a static scale of 2^{best} overflows no recorded step)" if static else "") + "." + bf16)

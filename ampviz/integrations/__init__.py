@@ -4,6 +4,7 @@ when you import that module (``import ampviz`` loads none of them).
     ampviz.integrations.transformers   AmpvizCallback for ``transformers.Trainer(callbacks=[...])``
     ampviz.integrations.lightning      AmpvizCallback for ``lightning.Trainer(callbacks=[...])``
     ampviz.integrations.accelerate     Recorder built from an ``accelerate.Accelerator`` and what it prepared
+    ampviz.integrations.deepspeed      Recorder built from a ``DeepSpeedEngine`` (ZeRO 0-3 gradient partitions)
 
 For example::
 

@@ -63,8 +63,12 @@ class Capture:
     """Hooks and per-step state for the watched ``params`` and ``activations`` / ``outputs`` modules,
     each a list of (name, object)."""
 
-    def __init__(self, params, activations, outputs, local: bool, counter, ddp=None, *, recorded: bool):
+    def __init__(self, params, activations, outputs, local: bool, counter, ddp=None, *, recorded: bool,
+                 external_weights: bool = False):
         self.params, self.counter, self.ddp = params, counter, ddp
+        # weight gradients counted by someone else through ``count_weights_from`` (a framework that keeps them
+        # outside ``.grad``, e.g. DeepSpeed ZeRO's partitions): no parameter or optimizer hook of ours
+        self.external_weights = external_weights
         self.n_weights = len(params)
         self.first_activation = self.n_weights
         self.first_output = self.first_activation + len(activations)
@@ -99,6 +103,8 @@ class Capture:
         for key, (m, act, out) in self.watched.items():
             if key not in skip:
                 self.handles.append(m.register_forward_hook(functools.partial(self._on_forward, act, out)))
+        if self.external_weights:
+            return
         for i, (_, p) in enumerate(self.params):
             self.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_accumulated, i)))
         if optimizer is not None:
@@ -130,7 +136,7 @@ class Capture:
 
     def finish_step(self) -> None:
         """Count the weight gradients no optimizer hook counted (a skipped step; no hook fired)."""
-        todo = [i for i in range(self.n_weights) if not self.weights_done[i]]
+        todo = [] if self.external_weights else [i for i in range(self.n_weights) if not self.weights_done[i]]
         grads, rows = [], []
         for i in todo:
             g = self.grad_refs[i] if self.grad_refs[i] is not None else self.params[i][1].grad
@@ -230,6 +236,24 @@ class Capture:
             except TypeError:                                # not an optimizer we can read: rec.step() counts
                 return
             self._count_weights(optimizer)
+
+    def count_weights_from(self, parts) -> None:
+        """An optimizer step of a framework that keeps the weight gradients itself (``external_weights``): count
+        ``parts``, an iterable of (row, tensor) read just before its step (it is only iterated on recorded steps),
+        once per step."""
+        self.optimizer_steps += 1
+        self.total_optimizer_steps += 1
+        if not self.capturing:
+            return
+        grads, rows = [], []
+        for i, g in parts:
+            if not self.weights_done[i]:
+                self.weights_done[i] = True
+                if g is not None and g.numel():
+                    grads.append(g)
+                    rows.append(i)
+        if grads:
+            self.counter.add_many(grads, rows)
 
     def _count_weights(self, optimizer) -> None:
         rows = self._rows_of(optimizer)

@@ -65,6 +65,9 @@ class _Recording:
         self.rec = rec                                     # what is watched (fixed when the Recorder was made)
         options = rec.options
         self.scaler, self.scheduler = rec.scaler, options.scheduler
+        # a framework that keeps the weight gradients and the loss scaler itself (ampviz.integrations.deepspeed):
+        # it counts the weights (``install``) and gives the scale and skipped flag of each step
+        self.framework = rec._framework
         first = next(rec.model.parameters(), None)
         self.device: torch.device = first.device if first is not None else torch.device("cpu")
         self.world, self.rank = dist_info()
@@ -75,16 +78,18 @@ class _Recording:
             self.step_index = 0                            # rec.step() calls so far
             self.store = StepStore(self.device, len(rec.tensor_names), options.flush_every, options.max_bytes)
             self.capture = Capture(rec._params, rec._activations, rec._outputs, rec._local, self.counter, rec._ddp,
-                                   recorded=self._recorded(0))
+                                   recorded=self._recorded(0), external_weights=self.framework is not None)
             # watched modules compiled after Recorder(...) was made (``model.compile()``): no hook goes on them, since
             # even a hook that does nothing changes how torch.compile splits an in-place compiled module's graph
             self.late: set[int] = {i for i in compiled_modules(rec.model) if i in self.capture.watched}
-            self.checks = StepChecks(self.scaler, sees_optimizer_steps=rec.optimizer is not None or bool(rec._params),
+            self.checks = StepChecks(self.scaler, sees_optimizer_steps=(rec.optimizer is not None or bool(rec._params)
+                                                           or self.framework is not None),
                                      watched=len(set(self.capture.watched) - self.late),
                                      compiled=rec._compiled_anywhere or bool(self.late))
             self.forwards = 0                              # training forwards, for the check at close
             self.changes_seen: list[str] = []              # model changes already warned about (at the first step)
-            self.prev_scale = 1.0 if self.scaler is None else float(self.scaler.get_scale())   # one host read
+            self.prev_scale = (float(self.framework.scale()) if self.framework is not None else
+                               1.0 if self.scaler is None else float(self.scaler.get_scale()))   # one host read
             self.scheduler_start = None if self.scheduler is None else int(self.scheduler.last_epoch)
             self.created = time.time()
             self.saver: Saver | None = None
@@ -110,6 +115,8 @@ class _Recording:
         root = None if getattr(rec._given, "_compiled_call_impl", None) is not None else rec._given
         self.capture.install(root, rec.optimizer, global_hook=rec.optimizer is None, scaler=self.scaler,
                              skip=self.late)
+        if self.framework is not None:
+            self.capture.handles.append(self.framework.install(self.capture))     # removed with the hooks
         path = rec.options.path
         if path is not None:
             self.saver = Saver(rank_file(Path(path), self.world, self.rank), rec.options.save_every,
@@ -181,7 +188,11 @@ class _Recording:
         """End one optimizer step (``rec.step(loss)``)."""
         capture = self.capture
         epoch = None if self.scheduler is None else self.scheduler.last_epoch
-        self.store.put_scalars(loss, self.scaler, epoch)
+        fw = self.framework
+        if fw is None:
+            self.store.put_scalars(loss, self.scaler, epoch)
+        else:
+            self.store.put_scalars(loss, None, epoch, scale=fw.scale(), skipped=fw.skipped())
         self.checks.at_step(capture)
         if capture.capturing:
             capture.finish_step()
@@ -254,4 +265,5 @@ class _Recording:
                 "unscaled_before_step": None if sc is None else self.capture.unscaled_before_step,
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
                 "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self.scheduler_start},
-                "options": self.rec.options.meta()}   # how it was recorded (every: as asked; "every" above: now)
+                "options": self.rec.options.meta(),   # how it was recorded (every: as asked; "every" above: now)
+                **({} if self.framework is None else self.framework.meta())}

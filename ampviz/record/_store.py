@@ -51,6 +51,7 @@ class StepStore:
         self.host_scalars = np.empty((2, 0), dtype=np.float64)   # (2, capacity): loss, scale after update()
         self.n_steps = 0                                           # steps whose scalars are on the host
         self.scheduler: list[int] = []
+        self.skips: list[bool] | None = None          # skipped flags given per step (a framework's own scaler)
         self.n = 0                                  # histogram rows on the host
         self.counts: Any = None                     # allocated at the first flush (pages on first touch)
         self.order: Any = None
@@ -62,8 +63,11 @@ class StepStore:
         return self.ring[len(self.ring_steps)].view(-1)
 
     # ------------------------------------------------------------------ per step
-    def put_scalars(self, loss: Any, scaler: Any, scheduler_epoch: int | None = None) -> None:
-        """Store this step's loss, the scaler's current scale and the scheduler's epoch without a host sync."""
+    def put_scalars(self, loss: Any, scaler: Any, scheduler_epoch: int | None = None, *, scale: float | None = None,
+                    skipped: bool | None = None) -> None:
+        """Store this step's loss, the scaler's current scale and the scheduler's epoch without a host sync. A
+        framework with its own loss scaler (DeepSpeed) gives ``scale`` (after its update) and ``skipped`` instead,
+        as host values it already holds: then every step's ``skipped`` must be given."""
         j = self.scalars_used
         if loss is None:
             self.scalars[0, j] = math.nan
@@ -73,9 +77,15 @@ class StepStore:
             self.scalars[0, j].copy_(loss.detach().reshape(()))
         else:
             self.scalars[0, j] = float(loss)
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        if skipped is not None:
+            if self.skips is None:
+                self.skips = []
+            self.skips.append(bool(skipped))
+        device_scale = getattr(scaler, "_scale", None) if scaler is not None else None
         if scale is not None:
-            self.scalars[1, j].copy_(scale.reshape(()))      # get_scale() would sync on GPU
+            self.scalars[1, j] = float(scale)
+        elif device_scale is not None:
+            self.scalars[1, j].copy_(device_scale.reshape(()))      # get_scale() would sync on GPU
         else:
             self.scalars[1, j] = 1.0 if scaler is None else scaler.get_scale()
         if scheduler_epoch is not None:
@@ -187,6 +197,7 @@ class StepStore:
             if copy:
                 counts, order, steps = counts.copy(), order.copy(), steps.copy()
         return {"steps": np.arange(a, max(a, n)), "loss": loss, "loss_scale": used, "next_scale": nxt,
-                "skipped": (nxt < used) if skip_by_scale else np.zeros(nxt.size, dtype=bool),
+                "skipped": (np.asarray(self.skips[a:n], dtype=bool) if self.skips is not None else
+                            (nxt < used) if skip_by_scale else np.zeros(nxt.size, dtype=bool)),
                 "hist_steps": steps, "counts": counts, "grad_order": order,
                 "scheduler_steps": np.asarray(self.scheduler[a:n], dtype=np.int64)}

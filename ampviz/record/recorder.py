@@ -137,6 +137,12 @@ class Recorder:
                  options: RecordOptions | None = None, **kw: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed") for c in type(model).__mro__):
+            # its ZeRO stages keep the gradients outside .grad and scale the loss themselves: hooks here would count
+            # the wrong tensors, or none
+            raise TypeError(f"model: a DeepSpeed engine ({type(model).__name__}); record it with "
+                            f"ampviz.integrations.deepspeed.Recorder(engine), which reads its gradient partitions "
+                            f"and its loss scaler")
         self.optimizer = unwrap_optimizer(optimizer)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
@@ -174,6 +180,8 @@ class Recorder:
                              + (["weight_local"] * len(watched) if self._local else []))
         # the lifecycle: new -> open (one _Recording while enabled) -> closed (its Outcome kept)
         self._open = self._closed = False
+        # a framework that holds the weight gradients and the loss scaler itself (set by an integration)
+        self._framework: Any = None
         self._recording: _Recording | None = None
         self._outcome: Outcome | None = None
 

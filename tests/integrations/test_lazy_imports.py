@@ -23,3 +23,10 @@ def test_the_accelerate_integration_needs_no_import_of_accelerate():
     # it reads what the Accelerator holds (scaler, sync_gradients); the user's loop has imported accelerate
     loaded = top_level_modules_after("import ampviz.integrations.accelerate")
     assert not loaded & set(FRAMEWORKS), sorted(loaded & set(FRAMEWORKS))
+
+
+def test_the_deepspeed_integration_needs_no_import_of_deepspeed():
+    # it tells an engine by its class names and reads what the engine holds; deepspeed is imported only to write
+    # its version into run.meta at the end, by which time the user's loop has imported it
+    loaded = top_level_modules_after("import ampviz.integrations.deepspeed")
+    assert not loaded & set(FRAMEWORKS), sorted(loaded & set(FRAMEWORKS))

@@ -1,0 +1,294 @@
+"""ampviz.integrations.deepspeed against the real DeepSpeed (0.19.8) on 2 CPU ranks (``DS_ACCELERATOR=cpu``, gloo):
+ZeRO 0, 1, 2 and 3 in bf16, each trained with and without the Recorder (tests/integrations/_deepspeed_worker.py).
+
+* exact: the ranks' weight counts add up, row for row and step for step, to the histograms of the full gradients
+  DeepSpeed assembles itself (``safe_get_full_grad``) at the same point (ZeRO 0: every rank holds the full one);
+* training is bit-identical with and without the Recorder;
+* the loss scale and the skipped steps recorded are the ones the engine reports; a planted overflow in a bf16 run
+  is skipped by DeepSpeed and found by the doctor (``silent_skips``);
+* fp16 engines (where DeepSpeed's CPU accelerator supports fp16): ZeRO 2 exact after unscaling, a scale pinned
+  at ``min_loss_scale`` found by the doctor, ZeRO 0's immediate back-off recorded as the engine reports it.
+
+One spawn runs every case (DeepSpeed's first start JIT-builds its shm comm op once: about 40 s; then about 20 s).
+"""
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import ampviz
+
+deepspeed = pytest.importorskip("deepspeed")
+
+BF16 = [{"name": f"zero{s}", "stage": s, "dtype": "bf16"} for s in (0, 1, 2, 3)]
+# the bucketed, overlapped reduction (small buckets: several per step), and ZeRO 3 with every parameter partitioned
+BUCKETS = [{"name": "zero2_buckets", "stage": 2, "dtype": "bf16", "zero": {
+               "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 64,
+               "allgather_bucket_size": 64}},
+           {"name": "zero3_buckets", "stage": 3, "dtype": "bf16", "zero": {
+               "overlap_comm": True, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0}}]
+# histograms every other step, of the second layer's weights only
+EVERY = {"name": "zero1_every2", "stage": 1, "dtype": "bf16", "options": {"every": 2, "weights": r"^2\."}}
+# bf16 parameters with fp32 gradient accumulation: ZeRO 1 runs DeepSpeed's BF16_Optimizer (a full fp32 gradient
+# buffer on every rank, of which each rank's fragment is counted)
+BF16_FP32_ACCUM = {"name": "zero1_fp32_accum", "stage": 1, "dtype": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}
+# a DeepSpeed whose partitions cannot be read (planted): training goes on unchanged, with a warning
+UNREADABLE = {"name": "zero2_unreadable", "stage": 2, "dtype": "bf16", "unreadable": True}
+BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1}
+# fp16 from the minimum: the planted overflow cannot back off (hysteresis 2 keeps the run alive at the minimum)
+FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
+            "fp16": {"min_loss_scale": 256, "hysteresis": 2}}
+# fp16 from 2**20 without hysteresis: the first steps overflow because of the scale, which halves each time
+FP16_HIGH = {"name": "fp16_zero2_high", "stage": 2, "dtype": "fp16",
+             "fp16": {"initial_scale_power": 20, "hysteresis": 1}}
+FP16_ZERO0 = {"name": "fp16_zero0", "stage": 0, "dtype": "fp16", "inf_at": 1}
+
+
+def _fp16_on_cpu() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())     # what DeepSpeed's CPU accelerator asks
+    except Exception:
+        return False
+
+
+FP16 = _fp16_on_cpu()
+needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
+                                                 "(no avx512_fp16 / AMX-FP16): fp16 engines are refused")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import _deepspeed_worker
+    out = tmp_path_factory.mktemp("deepspeed")
+    cases = BF16 + BUCKETS + [EVERY, BF16_FP32_ACCUM, BF16_INF, UNREADABLE]
+    cases += [FP16_MIN, FP16_HIGH, FP16_ZERO0] if FP16 else []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"                   # the spawned ranks inherit it
+    try:
+        mp.spawn(_deepspeed_worker.run, args=(2, port, str(out), cases), nprocs=2, join=True)
+    finally:
+        if env is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+        else:
+            os.environ["DS_ACCELERATOR"] = env
+
+    def load(name):
+        run = ampviz.Run.load(out / name)
+        engine = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+        oracle = [np.load(out / f"{name}.oracle{r}.npy") for r in (0, 1)]
+        return run, engine, oracle
+    return load
+
+
+def check_exact(run, engine, oracle, stage):
+    import _deepspeed_worker
+    names = [n for n, _ in _deepspeed_worker.model().named_parameters()]
+    w = run.tensors_of("weight")
+    assert run.ranks == [0, 1] and [run.tensor_names[t] for t in w] == names == engine[0]["names"]
+    np.testing.assert_array_equal(oracle[0], oracle[1])                 # the oracle is the same on both ranks
+    assert run.hist_steps.tolist() == list(range(_deepspeed_worker.STEPS))
+    counts = run.counts[:, :, w]                                         # (ranks, steps, params, bins)
+    sizes = [p.numel() for p in _deepspeed_worker.model().parameters()]
+    if stage == 0:                                                       # all-reduced .grad: the full one everywhere
+        assert run.meta["deepspeed"]["weights"] == "full"
+        for r in (0, 1):
+            np.testing.assert_array_equal(counts[r], oracle[0])
+    else:                                                                # disjoint partitions
+        assert run.meta["deepspeed"]["weights"] == "partition"
+        np.testing.assert_array_equal(counts.sum(axis=0), oracle[0])
+        per_rank = counts[:, 0].sum(axis=-1)                             # (ranks, params) values counted
+        assert (per_rank > 0).sum() > len(sizes)                         # some parameter is split between ranks
+        assert per_rank.sum(axis=0).tolist() == sizes
+    assert (counts.sum(axis=-1) > 0).any(axis=0).all()
+    # activation gradients from module hooks: both micro-batches of every step, on every rank
+    acts = run.tensors_of("activation")
+    assert acts and (run.counts[:, :, acts].sum(axis=-1) > 0).all()
+    # training unchanged, the engine's scale and skips
+    for r in (0, 1):
+        assert engine[r]["bit_identical"] and engine[r]["step_restored"] and engine[r]["warnings"] == []
+        assert run.next_scale[r].tolist() == engine[r]["scales"]
+        assert run.skipped[r].tolist() == [not a for a in engine[r]["applied"]]
+        assert engine[r]["plain"] == {k: engine[r][k] for k in ("scales", "applied", "skipped")}
+    assert run.meta["deepspeed"]["skipped_steps"] == engine[0]["skipped"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_in_bf16_is_exact_against_the_full_gradients(runs, stage):
+    run, engine, oracle = runs(f"zero{stage}")
+    check_exact(run, engine, oracle, stage)
+    ds = run.meta["deepspeed"]
+    assert (ds["stage"], ds["dtype"], ds["gradient_accumulation_steps"]) == (stage, "bf16", 2)
+    assert engine[0]["optimizer"] == ds["optimizer"]
+    assert run.loss_scale.tolist() == [[1.0] * 4] * 2 and not run.skipped.any()
+    assert np.isfinite(run.loss).all()                                   # the mean of each step's micro-batch losses
+    assert run.diagnose()["clean"]
+    from ampviz.report import summary_rows
+    text = dict(summary_rows(run))["loss scale"]                       # what `ampviz info` prints
+    assert text == f"2^0 (constant); DeepSpeed ZeRO {stage} bf16, no dynamic loss scaling"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BUCKETS, ids=[c["name"] for c in BUCKETS])
+def test_small_overlapped_reduce_buckets_are_exact(runs, case):
+    run, engine, oracle = runs(case["name"])
+    check_exact(run, engine, oracle, case["stage"])
+
+
+@pytest.mark.slow
+def test_every_other_step_and_a_weight_filter(runs):
+    run, engine, oracle = runs("zero1_every2")
+    w = run.tensors_of("weight")
+    assert [run.tensor_names[t] for t in w] == ["2.weight", "2.bias"] and run.hist_steps.tolist() == [0, 2]
+    np.testing.assert_array_equal(run.counts[:, :, w].sum(axis=0), oracle[0][[0, 2]][:, 2:])
+    assert run.n_steps == 4 and run.next_scale[0].tolist() == engine[0]["scales"]
+    assert all(e["bit_identical"] and e["warnings"] == [] for e in engine)
+
+
+@pytest.mark.slow
+def test_bf16_with_fp32_gradient_accumulation_in_deepspeeds_bf16_optimizer_is_exact(runs):
+    run, engine, oracle = runs("zero1_fp32_accum")
+    assert engine[0]["optimizer"] == "BF16_Optimizer"
+    check_exact(run, engine, oracle, 1)
+
+
+@pytest.mark.slow
+def test_partitions_it_cannot_read_cost_a_warning_not_the_training(runs):
+    run, engine, _ = runs("zero2_unreadable")
+    for r in (0, 1):
+        assert engine[r]["bit_identical"] and engine[r]["step_restored"]
+        assert len(engine[r]["warnings"]) == 1
+        assert "could not read the ZeRO 2 gradient partitions" in engine[r]["warnings"][0]
+        assert "AttributeError: planted" in engine[r]["warnings"][0]
+    assert run.counts[:, :, run.tensors_of("weight")].sum() == 0
+    assert (run.counts[:, :, run.tensors_of("activation")].sum(axis=-1) > 0).all()
+    assert run.next_scale[0].tolist() == engine[0]["scales"] and not run.skipped.any()
+
+
+@pytest.mark.slow
+def test_a_planted_overflow_in_bf16_is_skipped_by_deepspeed_and_found_by_the_doctor(runs):
+    run, engine, oracle = runs("zero2_inf")
+    check_exact(run, engine, oracle, 2)                 # the inf/nan counted as the full gradient holds them
+    assert engine[0]["applied"] == [True, False, True, True] and engine[0]["skipped"][-1] == 1
+    assert run.skipped.tolist() == [[False, True, False, False]] * 2
+    assert run.loss_scale.tolist() == [[1.0] * 4] * 2                   # bf16: no scale moves to show the skip
+    report = run.diagnose()
+    silent = [f for f in report["findings"] if f["check"] == "silent_skips"]
+    assert len(silent) == 1 and silent[0]["steps"] == [1] and silent[0]["severity"] == "warning"
+    assert silent[0]["evidence"]["engine_skipped_steps"] == 1
+    assert any(f["check"] == "nonfinite_gradient" and 1 in f["steps"] for f in report["findings"])
+    assert not any(f["check"] == "scale_at_minimum" for f in report["findings"])
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_zero2_unscaled_exactly_and_a_scale_pinned_at_min_loss_scale_is_found(runs):
+    run, engine, oracle = runs("fp16_zero2_min")
+    check_exact(run, engine, oracle, 2)                                  # the oracle divides by the scale too
+    ds = run.meta["deepspeed"]
+    assert (ds["dtype"], ds["min_loss_scale"], ds["hysteresis"], ds["dynamic_loss_scale"]) == ("fp16", 256.0, 2, True)
+    # hysteresis 2: the overflow at the minimum costs the step, the scale stays; then it grows after 2 clean steps
+    assert run.loss_scale[0].tolist()[:2] == [256.0, 256.0] and run.skipped[0].tolist()[:2] == [False, True]
+    pinned = [f for f in run.diagnose()["findings"] if f["check"] == "scale_at_minimum"]
+    assert len(pinned) == 1 and pinned[0]["steps"] == [1] and pinned[0]["severity"] == "error"
+    assert not any(f["check"] == "silent_skips" for f in run.diagnose()["findings"])
+    from ampviz.report import summary_rows
+    assert dict(summary_rows(run))["loss scale"].endswith(
+        "DeepSpeed ZeRO 2 fp16, dynamic loss scaler (min 2^8, hysteresis 2, x2 after 2 clean steps)")
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_overflows_of_a_too_high_scale_are_the_scales_not_the_models(runs):
+    run, engine, oracle = runs("fp16_zero2_high")
+    check_exact(run, engine, oracle, 2)
+    assert engine[0]["applied"] == [False, False, False, True]
+    assert run.skipped.tolist() == [[True, True, True, False]] * 2
+    assert run.loss_scale[0].tolist() == [2.0 ** 20, 2.0 ** 19, 2.0 ** 18, 2.0 ** 17]
+    report = run.diagnose()
+    assert report["run"]["precision"] == "fp16"
+    # DeepSpeed's scale multiplied the backward: the first overflow is read as the scale's, not the model's
+    first = [e for e in report["nonfinite_steps"] if e["step"] == 0]
+    assert first and {e["cause"] for e in first} == {"loss scale"}
+    assert not {"nonfinite_gradient", "silent_skips", "scale_at_minimum"} & {f["check"] for f in report["findings"]}
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_zero0_backs_off_at_once_as_the_engine_reports(runs):
+    run, engine, oracle = runs("fp16_zero0")
+    check_exact(run, engine, oracle, 0)
+    assert run.meta["deepspeed"]["optimizer"] == "FP16_UnfusedOptimizer"
+    assert engine[0]["scales"][:2] == [256.0, 128.0]                     # no hysteresis in ZeRO 0's fp16 optimizer
+    assert run.loss_scale[0].tolist()[:3] == [256.0, 256.0, 128.0]
+
+
+# ---------------------------------------------------------------------------------------- without ranks
+class _Optimizer:
+    def __init__(self, scaler):
+        self.loss_scaler = scaler
+
+
+class _Engine:
+    def __init__(self, scaler):
+        self.optimizer = _Optimizer(scaler)
+
+
+def test_the_scale_is_read_from_deepspeeds_own_dynamic_loss_scaler():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from ampviz.integrations.deepspeed import _Engine as Source
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, scale_window=2, min_scale=4.0, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    source = Source(_Engine(scaler), 2, [])
+    seen = []
+    for _ in range(5):
+        scaler.update_scale(False)                     # clean steps: no process group needed
+        seen.append(source.scale())
+    assert seen == [256.0, 256.0, 512.0, 512.0, 1024.0]      # doubled after every 2 clean steps past the first
+    assert source._scaler() is scaler and source.scale() == scaler.loss_scale == 1024.0
+
+
+def test_recorder_refuses_what_is_not_an_engine_and_what_the_engine_holds():
+    from ampviz.integrations.deepspeed import Recorder, is_engine
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="engine: expected a deepspeed.DeepSpeedEngine .* got Linear"):
+        Recorder(model)
+    assert not is_engine(model) and not is_engine(None)
+
+
+def docs_script() -> str:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    block = text.split("```text\n# train_ds.py\n", 1)[1].split("\n```", 1)[0]
+    return block
+
+
+@pytest.mark.slow
+def test_the_docs_script_runs_under_torchrun_on_2_cpu_ranks(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "train_ds.py").write_text(docs_script())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(__import__("pathlib").Path(ampviz.__file__).resolve().parents[1])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), "train_ds.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = ampviz.Run.load(tmp_path / "runs" / "ds")
+    assert run.ranks == [0, 1] and run.n_steps == 4 and run.meta["deepspeed"]["stage"] == 2
+    w = run.tensors_of("weight")
+    sizes = [16 * 32, 32, 32 * 5, 5]
+    assert (run.counts[:, :, w].sum(axis=(0, 3)) == sizes).all()     # every step: each parameter counted once
