@@ -48,16 +48,22 @@ class Session:
         self._loss, self._steps, self._warned = None, 0, set()
 
     def start(self, model, optimizer, scaler, scheduler, default_export_every: int,
-              compiled_by: str | None = None) -> Recorder:
+              compiled_by: str | None = None, engine=None) -> Recorder:
         """Enter a Recorder on what the framework holds; ``scheduler`` unless the options name one.
         ``compiled_by``: the setting that makes the framework run ``model`` under torch.compile through a
-        wrapper the callback never sees (the Recorder's ``compiled_by``)."""
+        wrapper the callback never sees (the Recorder's ``compiled_by``). ``engine``: the DeepSpeed engine that
+        trains ``model``: then the Recorder is ``ampviz.integrations.deepspeed.Recorder(engine)`` (its gradient
+        partitions, its loss scaler and skipped steps; ``optimizer`` and ``scaler`` are the engine's)."""
         self.close()                             # a second trainer.fit()/train() starts a new recording
         world, rank = dist_info()
         given = {} if self._own_scheduler else {"scheduler": scheduler}
         if compiled_by is not None:
             given["compiled_by"] = compiled_by
-        self.recorder = Recorder(model, optimizer, scaler=scaler, options=self.options, **given)
+        if engine is not None:
+            from .deepspeed import Recorder as EngineRecorder
+            self.recorder = EngineRecorder(engine, options=self.options, **given)
+        else:
+            self.recorder = Recorder(model, optimizer, scaler=scaler, options=self.options, **given)
         self.live = LiveExport(self.tensorboard, self.wandb, domain=self.domain, rank=rank, world=world)
         self._every = self.export_every or default_export_every
         self._loss, self._steps = None, 0

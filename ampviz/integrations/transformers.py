@@ -40,6 +40,13 @@ capture is off (a warning; naming modules in ``activations=``, or any ``outputs=
 break is added and training is unchanged (compared with ``full_determinism=True``: on a CPU the compiled embedding
 backward uses atomic adds, so two compiled runs can differ without ampviz).
 
+With ``TrainingArguments(deepspeed=<config>)`` the Trainer trains through a ``DeepSpeedEngine``
+(``trainer.deepspeed``, ``trainer.model_wrapped``) that it never hands to callbacks; the callback finds it at
+``on_train_begin`` (the engine whose ``module`` is the model) and records with
+``ampviz.integrations.deepspeed.Recorder(engine)``: weight rows from this rank's ZeRO partitions (the ranks' counts
+add up to the full gradients), loss scale and skipped steps from the engine (``callback.engine``). Tested with a
+bf16 ZeRO 2 config on 2 CPU ranks (``tests/integrations/test_transformers_deepspeed.py``).
+
 Callbacks get the model, not the DDP wrapper (``trainer.model_wrapped``), so ``local_weights=True`` is refused.
 
 If ``trainer.train()`` raises, the Trainer calls no callback: call ``callback.close()`` (in a ``finally:``)
@@ -49,6 +56,7 @@ to remove the hooks and save what was recorded. Each ``train()`` call starts a n
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -85,6 +93,7 @@ class AmpvizCallback(TrainerCallback):
         self._session = Session("AmpvizCallback", path, recorder_options, tensorboard, wandb, export_every, domain)
         self._loss_hook = None
         self._scaler = None
+        self._engine = self._source = None       # the DeepSpeed engine (TrainingArguments(deepspeed=...)), its reader
         self._terms = 0                 # micro-batch losses added in the current optimizer step
 
     @property
@@ -93,18 +102,25 @@ class AmpvizCallback(TrainerCallback):
         return self._session.run
 
     @property
+    def engine(self):
+        """The DeepSpeed engine recorded, under ``TrainingArguments(deepspeed=...)``, else None."""
+        return self._engine
+
+    @property
     def recorder(self):
         """The open ``ampviz.Recorder`` during training, else None."""
         return self._session.recorder
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        self._scaler = getattr(optimizer, "scaler", None)
-        if args.fp16 and self._scaler is None and args.device.type == "cpu":
+        self._engine = _deepspeed_engine(args, model, optimizer)
+        self._scaler = None if self._engine is not None else getattr(optimizer, "scaler", None)
+        if args.fp16 and self._scaler is None and self._engine is None and args.device.type == "cpu":
             self._session.warn_once("fp16", f"TrainingArguments(fp16=True) {FP16_ON_CPU}")
         # torch_compile=True: accelerate compiles a wrapper the callbacks never see, around this same model
-        self._session.start(model, optimizer, self._scaler, lr_scheduler,
-                            default_export_every=max(int(state.logging_steps), 1),
-                            compiled_by="TrainingArguments(torch_compile=True)" if args.torch_compile else None)
+        recorder = self._session.start(
+            model, optimizer, self._scaler, lr_scheduler, default_export_every=max(int(state.logging_steps), 1),
+            compiled_by="TrainingArguments(torch_compile=True)" if args.torch_compile else None, engine=self._engine)
+        self._source = getattr(recorder, "_framework", None) if self._engine is not None else None
         self._loss_hook = model.register_forward_hook(self._on_forward)
         self._terms = 0
 
@@ -136,11 +152,52 @@ class AmpvizCallback(TrainerCallback):
         if loss is None and isinstance(output, (tuple, list)) and output:
             loss = output[0] if isinstance(output[0], torch.Tensor) and output[0].ndim == 0 else None
         if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
-            loss.register_hook(functools.partial(self._on_loss_grad, loss.detach()))
+            # a copy of the value: the Trainer multiplies this very tensor in place (`loss *= num_processes` when it
+            # averages tokens across ranks), after which the hook still receives d/d(loss before the multiplication)
+            loss.register_hook(functools.partial(self._on_loss_grad, loss.detach().clone()))
 
     def _on_loss_grad(self, value, grad):
         # grad = c * S: the Trainer's factor times the loss scale of this backward (device tensors, no sync)
-        scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
+        if self._source is not None:                          # DeepSpeed: its scale, a host number (1 in bf16)
+            scale = self._source.scale()
+            scale = None if scale == 1.0 else scale
+        else:
+            scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
         share = value.float() * grad.float()
         self._session.add_loss(share / scale if scale is not None else share)
         self._terms += 1
+
+
+def _deepspeed_engine(args, model, optimizer):
+    """The ``DeepSpeedEngine`` training ``model`` when the Trainer runs DeepSpeed (``TrainingArguments(deepspeed=
+    ...)``, or an accelerate launch with a DeepSpeed plugin), else None.
+
+    The Trainer hands callbacks ``model`` (the engine's ``module``) and ``optimizer`` (accelerate's
+    ``DeepSpeedOptimizerWrapper`` around ``engine.optimizer``), never the engine (``trainer.model_wrapped``), and
+    nothing they hold refers back to it: it is found among the live objects, the engine whose ``module`` is
+    ``model`` (once, at the start of training)."""
+    if getattr(args, "deepspeed_plugin", None) is None and not getattr(args, "deepspeed", None):
+        return None
+    if "deepspeed" not in sys.modules:
+        return None
+    import gc
+
+    from .deepspeed import is_engine
+    inner = getattr(optimizer, "optimizer", None)
+    found, kinds = [], {}
+    for obj in gc.get_objects():
+        kind = type(obj)
+        known = kinds.get(kind)
+        if known is None:
+            known = kinds[kind] = is_engine(obj)
+        if known and getattr(obj, "module", None) is model:
+            found.append(obj)
+    if not found:
+        raise RuntimeError("AmpvizCallback: the Trainer runs DeepSpeed, but no DeepSpeedEngine holding the model "
+                           "was found at on_train_begin; record it with ampviz.integrations.deepspeed.Recorder("
+                           "trainer.model_wrapped) in your own loop")
+    # a second train() makes a new engine around the same model: the one whose optimizer the Trainer steps
+    for engine in reversed(found):
+        if inner is None or getattr(engine, "optimizer", None) is inner:
+            return engine
+    return found[-1]
