@@ -35,7 +35,8 @@ def zero2(path: str, steps: int = 8, accum: int = 2, batch: int = 16) -> dict:
     Returns
     -------
     dict: ``full`` (steps, params, bins) the histograms of the full gradients, ``names`` and ``sizes`` of the
-    parameters, ``skipped_steps`` (the engine's count), ``stage`` (the engine's ZeRO stage).
+    parameters, ``skipped_steps`` (the engine's count), ``partition_size`` (the length of each rank's range of the
+    flat gradient buffer, padding included, as DeepSpeed cut it: ``engine.optimizer.partition_size[0]``).
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")         # read when deepspeed is imported: CPU ranks, gloo
     import deepspeed
@@ -71,4 +72,4 @@ def zero2(path: str, steps: int = 8, accum: int = 2, batch: int = 16) -> dict:
                 rec.step(loss)
     named = list(engine.module.named_parameters())
     return {"full": torch.stack(full), "names": [n for n, _ in named], "sizes": [p.numel() for _, p in named],
-            "skipped_steps": int(engine.skipped_steps), "stage": int(engine.zero_optimization_stage())}
+            "skipped_steps": int(engine.skipped_steps), "partition_size": int(engine.optimizer.partition_size[0])}
