@@ -221,7 +221,7 @@ def _fields(run):
 
 def test_an_older_file_without_update_arrays_still_loads(tmp_path):
     model = net()
-    run = record(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(3), path=tmp_path / "old.npz")
+    record(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(3), path=tmp_path / "old.npz")
     with zipfile.ZipFile(tmp_path / "old.npz") as z:
         assert not [n for n in z.namelist() if n.startswith("update")]
     loaded = ampviz.Run.load(tmp_path / "old.npz")

@@ -72,16 +72,17 @@ def update_summary(facts: Facts) -> dict | None:
     """Per weight row: elements updated, stalled, the stalled share, and (fp32 weights) what bf16 would lose; None
     without update arrays."""
     run = facts.run
-    if run.update_steps is None:
+    ulp, rel, stalled_counts = run.update_counts, run.update_rel_counts, run.update_stalled
+    if run.update_steps is None or ulp is None or rel is None or stalled_counts is None:
         return None
     weights = run.tensors_of("weight")
-    totals = run.update_counts.sum(axis=-1)                           # (R, U, W) elements per step
+    totals = ulp.sum(axis=-1)                                         # (R, U, W) elements per step
     rows = []
     for j, t in enumerate(weights):
         updated = int(totals[:, :, j].sum())
-        stalled = int(run.update_stalled[:, :, j].sum())
-        certain, possible, moved = lost_share(run.update_rel_counts[:, :, j].sum(axis=(0, 1)), 8)
-        stalled_steps = run.update_steps[(run.update_stalled[:, :, j] > 0).any(axis=0)]
+        stalled = int(stalled_counts[:, :, j].sum())
+        certain, possible, moved = lost_share(rel[:, :, j].sum(axis=(0, 1)), 8)
+        stalled_steps = run.update_steps[(stalled_counts[:, :, j] > 0).any(axis=0)]
         rows.append({"tensor": run.tensor_names[t], "dtype": run.tensor_dtypes[t], "updated": updated,
                      "stalled": stalled, "stalled_share": stalled / updated if updated else 0.0,
                      "stalled_steps": stalled_steps.tolist(), "bf16_lost_certain": certain,
@@ -113,8 +114,8 @@ def update_findings(facts: Facts) -> list[dict]:
                 steps=steps, tensors=names, ranks=facts.run.ranks,
                 evidence={"stalled_share": n_stalled / updated, "stalled_elements": n_stalled,
                           "updated_elements": updated, "update_steps": len(summary["update_steps"]),
-                          "tensors": {r["tensor"]: {"stalled_share": r["stalled_share"], "steps": len(r["stalled_steps"])}
-                                      for r in stalled}},
+                          "tensors": {r["tensor"]: {"stalled_share": r["stalled_share"],
+                                                    "steps": len(r["stalled_steps"])} for r in stalled}},
                 details=[f"{r['tensor']} ({r['dtype'].removeprefix('torch.')}): {percent(r['stalled_share'])} of its "
                          f"elements with a non-zero gradient did not move, at {len(r['stalled_steps'])} of "
                          f"{len(summary['update_steps'])} measured steps" for r in stalled[:8]]
