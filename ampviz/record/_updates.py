@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .._counting import NBINS
-from .._counting.ops import _fp64_columns
+from .._counting.ops import fp64_columns
 
 __all__ = ["UpdateCapture", "ulp_exponent"]
 
@@ -55,7 +55,7 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
 
 def _count_into(values: torch.Tensor, row: torch.Tensor) -> None:
     """Add the binade histogram of float64 ``values`` (>= 0 or nan) into ``row`` (NBINS int64), on its device."""
-    cols = _fp64_columns(values.reshape(-1).contiguous())
+    cols = fp64_columns(values.reshape(-1).contiguous())
     if cols.device.type == "cpu":
         row.add_(torch.bincount(cols, minlength=NBINS))
     else:                                                  # no bincount on CUDA: it reads its max back (a sync)
