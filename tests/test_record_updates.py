@@ -273,3 +273,22 @@ def test_updates_true_means_every_100_steps_and_the_hooks_go_on_close():
         train(model, opt, batches(2), rec)
     assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
     assert rec.run.update_steps.tolist() == [0]
+
+
+def test_a_step_the_grad_scaler_skipped_has_no_update_row():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    rec = ampviz.Recorder(model, opt, scaler, activations=False, updates=1)
+    with rec:
+        for step, (x, y) in enumerate(batches(4)):
+            loss = F.cross_entropy(model(x), y) * (float("inf") if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            rec.step(loss)
+    run = rec.run
+    assert run.skipped[0].tolist() == [False, True, False, False]
+    assert run.update_steps.tolist() == [0, 2, 3]
+    assert (run.update_counts[0].sum(-1) == [[p.numel() for p in model.parameters()]] * 3).all()
