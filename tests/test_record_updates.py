@@ -275,9 +275,10 @@ def test_updates_true_means_every_100_steps_and_the_hooks_go_on_close():
     assert rec.run.update_steps.tolist() == [0]
 
 
-def test_a_step_the_grad_scaler_skipped_has_no_update_row():
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_the_grad_scaler_skipped_has_no_update_row(fused):
     model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     rec = ampviz.Recorder(model, opt, scaler, activations=False, updates=1)
     with rec:
@@ -290,5 +291,11 @@ def test_a_step_the_grad_scaler_skipped_has_no_update_row():
             rec.step(loss)
     run = rec.run
     assert run.skipped[0].tolist() == [False, True, False, False]
-    assert run.update_steps.tolist() == [0, 2, 3]
-    assert (run.update_counts[0].sum(-1) == [[p.numel() for p in model.parameters()]] * 3).all()
+    sizes = [p.numel() for p in model.parameters()]
+    if not fused:                                  # the optimizer never stepped: no row
+        assert run.update_steps.tolist() == [0, 2, 3]
+        assert (run.update_counts[0].sum(-1) == [sizes] * 3).all()
+    else:                                          # its kernel skipped (found_inf): an all-zero row, read on device
+        assert run.update_steps.tolist() == [0, 1, 2, 3]
+        assert (run.update_counts[0].sum(-1) == [sizes, [0] * len(sizes), sizes, sizes]).all()
+        assert (run.update_stalled[0, 1] == 0).all() and (run.update_rel_counts[0, 1] == 0).all()
