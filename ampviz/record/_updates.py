@@ -38,24 +38,28 @@ _FLUSH_ROWS = 32                 # device rows kept before a copy to the host
 
 def ulp_exponent(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """log2 of the spacing of ``dtype`` at each value of ``w`` (float64), as int64: ``floor(log2|w|) - (p - 1)``,
-    at least the subnormal spacing ``emin - (p - 1)``; zeros get the subnormal spacing."""
+    at least the subnormal spacing ``emin - (p - 1)``; zeros get the subnormal spacing. From the float64 exponent
+    field (every bf16, fp16 and fp32 value is a normal float64; zero's field gives -1023, below any ``emin``)."""
     fi = torch.finfo(dtype)
     frac_bits = -int(round(np.log2(fi.eps)))               # p - 1: 7 for bf16, 10 for fp16, 23 for fp32
     emin = int(round(np.log2(fi.tiny)))                    # -126 for bf16 and fp32, -14 for fp16
-    _, e = torch.frexp(w)                                  # |w| = m * 2**e, m in [0.5, 1): floor(log2|w|) = e - 1
-    e = e.to(torch.int64).sub_(1)
-    e = torch.where(w == 0, torch.full_like(e, emin), e)
+    e = w.view(torch.int64).bitwise_right_shift(52).bitwise_and_(0x7FF).sub_(1023)     # floor(log2|w|)
     return e.clamp_(min=emin).sub_(frac_bits)
 
 
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """2.0**k as float64, exactly, from the bits (k int64 within -1022..1023)."""
-    return k.clamp(-1022, 1023).add_(1023).bitwise_left_shift_(52).view(torch.float64)
+def ulp_columns(dw: torch.Tensor, ulp_exp: torch.Tensor) -> torch.Tensor:
+    """Binade column of ``dw / 2**ulp_exp`` (``dw`` float64 >= 0 or nan) without dividing: dividing by a power of
+    two moves the binade by exactly ``ulp_exp``. The binade of ``dw`` (closed at the top) from its bits:
+    ``((bits - 1) >> 52) - 1023``; zeros to column 0, nan to 256, the rest clamped to 1..255."""
+    col = dw.view(torch.int64).sub(1).bitwise_right_shift_(52).sub_(ulp_exp).add_(128 - 1023).clamp_(1, NBINS - 2)
+    return col.masked_fill_(dw == 0, 0).masked_fill_(dw.isnan(), NBINS - 1)
 
 
-def _count_into(values: torch.Tensor, row: torch.Tensor) -> None:
-    """Add the binade histogram of float64 ``values`` (>= 0 or nan) into ``row`` (NBINS int64), on its device."""
-    cols = fp64_columns(values.reshape(-1).contiguous())
+def _count_into(values: torch.Tensor, row: torch.Tensor, cols: torch.Tensor | None = None) -> None:
+    """Add the binade histogram of float64 ``values`` (>= 0 or nan; or their ``cols``) into ``row`` (NBINS int64),
+    on its device."""
+    if cols is None:
+        cols = fp64_columns(values.reshape(-1).contiguous())
     if cols.device.type == "cpu":
         row.add_(torch.bincount(cols, minlength=NBINS))
     else:                                                  # no bincount on CUDA: it reads its max back (a sync)
@@ -128,17 +132,15 @@ class UpdateCapture:
             self.done.add(i)
             p = self.params[i][1]
             with torch.no_grad():
-                w0 = old.to(torch.float64)
-                dw = p.detach().to(torch.float64).sub_(w0).abs_()
+                w0 = old.to(torch.float64).reshape(-1)
+                dw = p.detach().to(torch.float64).reshape(-1).sub_(w0).abs_()
                 del old
-                ulp = dw * _pow2(-ulp_exponent(w0, p.dtype))          # exact: a power of two
-                _count_into(ulp, self.row[0, i])
-                del ulp
+                _count_into(dw, self.row[0, i], ulp_columns(dw, ulp_exponent(w0, p.dtype)))
                 a = w0.abs_()
                 rel = torch.where((a == 0) & (dw == 0), 0.0, dw / a)      # x / 0: inf; 0 / 0: 0
                 _count_into(rel, self.row[1, i])
                 g = p.grad
-                stalled = (dw == 0) & (g != 0) if g is not None and g.layout == torch.strided else None
+                stalled = (dw == 0) & (g.reshape(-1) != 0) if g is not None and g.layout == torch.strided else None
                 if stalled is not None:
                     self.stalled_row[i] += stalled.sum()
                 if keep is not None:
