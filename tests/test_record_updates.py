@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import ampviz
 from ampviz import histogram as H
+from ampviz.doctor import as_text
 from ampviz.run import RunFileError
 
 
@@ -165,7 +166,7 @@ def test_doctor_finds_a_pure_bf16_layernorm_stall_and_not_with_fp32_master_weigh
     assert f["steps"] == run.update_steps.tolist()
     assert "master weights" in f["recommendation"] and "stochastic rounding" in f["recommendation"]
     assert any(c["check"].startswith("weight updates") and c["ran"] for c in report["checks"])
-    text = ampviz.doctor.as_text(report, "bf16")
+    text = as_text(report, "bf16")
     assert "weights_stall" in text or "stop learning" in text
 
     master = net(torch.float32)                      # the same model, fp32 weights under bf16 autocast
@@ -178,6 +179,7 @@ def test_doctor_finds_a_pure_bf16_layernorm_stall_and_not_with_fp32_master_weigh
     would = [f for f in report["findings"] if f["check"] == "bf16_weights_would_stall"]
     assert len(would) == 1 and would[0]["tensors"][0] == "norm.weight" and would[0]["severity"] == "info"
     assert report["updates"]["master_weights"].startswith("drop fp32 master weights (bf16 weights)? no")
+    assert report["updates"]["master_weights"] in as_text(report, "master", width=0)
     rows = {r["tensor"]: r for r in report["updates"]["tensors"]}
     assert rows["norm.weight"]["bf16_lost_certain"] == 1.0
 

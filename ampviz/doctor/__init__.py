@@ -79,7 +79,9 @@ def diagnose(run: Run) -> dict:
     dict of plain data: ``clean`` (no findings), ``findings`` (errors first), ``checks`` (what was checked
     and, where a check could not run, why), ``nonfinite_steps`` (per rank and step that was skipped or held
     inf/nan: its cause, one of ``CAUSES``, and first non-finite tensor), ``switch`` (see the module
-    docstring; None for fp16 runs) and ``run`` (steps, ranks, precision).
+    docstring; None for fp16 runs), ``updates`` (with ``Recorder(..., updates=N)``: per weight tensor the elements
+    updated and stalled and what bf16 weights would lose, and ``master_weights``, a one-line answer to "can I drop
+    fp32 master weights?" for fp32-weight runs; None without) and ``run`` (steps, ranks, precision).
     """
     facts = Facts(run)
     causes = step_causes(facts)

@@ -117,7 +117,7 @@ def update_findings(facts: Facts) -> list[dict]:
                           "tensors": {r["tensor"]: {"stalled_share": r["stalled_share"],
                                                     "steps": len(r["stalled_steps"])} for r in stalled}},
                 details=[f"{r['tensor']} ({r['dtype'].removeprefix('torch.')}): {percent(r['stalled_share'])} of its "
-                         f"elements with a non-zero gradient did not move, at {len(r['stalled_steps'])} of "
+                         f"elements had a non-zero gradient and did not move, at {len(r['stalled_steps'])} of "
                          f"{len(summary['update_steps'])} measured steps" for r in stalled[:8]]
                 + [f"measured at steps {steps_text(summary['update_steps'])}"],
                 recommendation=WEIGHTS_STALL_ADVICE))
