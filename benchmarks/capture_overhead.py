@@ -185,26 +185,28 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, name
 
 
 def _update_capture_cost(variants, block: int, pairs: int):
-    """(base step s, one update capture s, bytes copied, every) of the ampviz-updates variant: blocks capturing at
-    every step against blocks capturing at none, paired with base blocks; None without that variant."""
+    """(one update capture in base steps, in s, bytes copied, every) of the ampviz-updates variant: blocks capturing
+    at every step against blocks capturing at none, each pair with a base block (medians over pairs of the
+    paired ratios, so the machine's drifts cancel); None without that variant."""
     upd = next((v for v in variants if v.name == "ampviz-updates"), None)
     if upd is None:
         return None
     base = next(v for v in variants if v.name == "base")
     recording = upd.rec._recording
     updates, every = recording.updates, recording.updates.every
-    extra, base_times = [], []
+    extra, ratios = [], []
     for _ in range(pairs):
-        base_times.append(base.block(block))
+        base_s = base.block(block)
         updates.every = 1                                  # every step of this block captures
         updates.arm(recording.step_index)
         with_capture = upd.block(block)
         updates.every = 1 << 40                            # no step of this block does
         updates.arm(recording.step_index)
         extra.append(with_capture - upd.block(block))
+        ratios.append(extra[-1] / base_s)
     updates.every = every
     updates.arm(recording.step_index)
-    return statistics.median(base_times), statistics.median(extra), updates.copy_bytes, every
+    return statistics.median(ratios), statistics.median(extra), updates.copy_bytes, every
 
 
 def main(argv=None) -> int:
@@ -240,11 +242,11 @@ def main(argv=None) -> int:
                 print(f"{name}: {len(seconds)} saves in {res['steps']} steps (the last on close), "
                       f"{1e3 * statistics.median(seconds):.1f} ms each (median; max {1e3 * max(seconds):.1f} ms)")
             if res["update_cost"] is not None:
-                base_s, one, nbytes, every = res["update_cost"]
+                steps, one, nbytes, every = res["update_cost"]
                 weights = res["median"].get("ampviz-weights", res["median"]["ampviz-updates"])[1]
-                print(f"ampviz-updates: one update capture costs {one * 1e3:.2f} ms = {one / base_s:.3f} base steps "
+                print(f"ampviz-updates: one update capture costs {one * 1e3:.2f} ms = {steps:.3f} base steps "
                       f"(a copy of {nbytes / 2**20:.1f} MiB of weights on that step only); at every={every} it adds "
-                      f"{one / base_s / every:.4f} to the ratio: {weights + one / base_s / every:.3f} amortized vs "
+                      f"{steps / every:.4f} to the ratio: {weights + steps / every:.3f} amortized vs "
                       f"ampviz-weights {weights:.3f}")
             per_step = res["tensors"] * H.NBINS * 8
             print(f"the largest ampviz variant keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
