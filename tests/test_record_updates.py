@@ -301,3 +301,20 @@ def test_a_step_the_grad_scaler_skipped_has_no_update_row(fused):
         assert run.update_steps.tolist() == [0, 1, 2, 3]
         assert (run.update_counts[0].sum(-1) == [sizes, [0] * len(sizes), sizes, sizes]).all()
         assert (run.update_stalled[0, 1] == 0).all() and (run.update_rel_counts[0, 1] == 0).all()
+
+
+def test_the_update_hooks_are_removed_when_entering_fails(monkeypatch):
+    from ampviz.record import _updates
+    install = _updates.UpdateCapture.install
+
+    def install_then_fail(self, optimizer, handles):
+        install(self, optimizer, handles)
+        raise RuntimeError("planted")
+    monkeypatch.setattr(_updates.UpdateCapture, "install", install_then_fail)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = ampviz.Recorder(model, opt, updates=1)
+    with pytest.raises(RuntimeError, match="planted"):
+        with rec:
+            pass
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
