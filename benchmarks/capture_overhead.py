@@ -11,6 +11,10 @@ copy of the model (same initial weights), optimizer and capture object:
     base            no capture
     read-floor      sum every weight gradient every step (the cost of just reading them)
     ampviz-weights  ampviz.Recorder(activations=False)
+    ampviz-updates  ampviz.Recorder(activations=False, updates=True): weights + the weights' updates every 100
+                    steps (a copy of the weights before the optimizer step, compared after); few blocks hold a
+                    capture, so the line after the table measures one: blocks with a capture at every step
+                    against blocks with none, and the ratio it adds at every=100, amortized
     ampviz-all      ampviz.Recorder(activations=True)   (weights + every leaf module's output grad)
     ampviz-every10  ampviz.Recorder(activations=True, every=10)
     ampviz-outputs  ampviz.Recorder(activations=False, outputs=True)   (weights + forward outputs)
@@ -51,8 +55,8 @@ import ampviz
 from ampviz import histogram as H
 from ampviz.lessons.models import CharTransformer
 
-VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-all", "ampviz-every10", "ampviz-outputs", "ampviz-all-out",
-            "ampviz-saved", "tensorboard"]
+VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-updates", "ampviz-all", "ampviz-every10", "ampviz-outputs",
+            "ampviz-all-out", "ampviz-saved", "tensorboard"]
 DIAGNOSTIC = ["ampviz-hooks"]
 
 
@@ -93,7 +97,8 @@ class Variant:
             self.rec = ampviz.Recorder(self.model, self.opt, self.scaler,
                                        activations=name in ("ampviz-all", "ampviz-every10", "ampviz-all-out",
                                                             "ampviz-hooks", "ampviz-saved"),
-                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs, **path)
+                                       every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs, **path,
+                                       updates=name == "ampviz-updates")
             self.rec.__enter__()
             self._time_saves()
             if name == "ampviz-hooks":                    # every hook fires; nothing is counted
@@ -168,6 +173,7 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, name
                 v.ratios.append(per_step[v.name] / per_step["base"])
     med = {v.name: (statistics.median(v.times), statistics.median(v.ratios), statistics.fmean(v.ratios))
            for v in variants}
+    update_cost = _update_capture_cost(variants, block, max(3, rounds // 2))
     recs = [v.rec for v in variants if v.rec is not None]
     n_tensors = max((len(r.tensor_names) for r in recs), default=0)
     saves = {v.name: list(v.save_seconds) for v in variants if v.save_seconds}
@@ -175,7 +181,32 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, name
     for v in variants:
         v.close()
     return {"median": med, "tensors": n_tensors, "params": sum(p.numel() for p in variants[0].model.parameters()),
-            "saves": saves, "steps": steps_timed}
+            "saves": saves, "steps": steps_timed, "update_cost": update_cost}
+
+
+def _update_capture_cost(variants, block: int, pairs: int):
+    """(one update capture in base steps, in s, bytes copied, every) of the ampviz-updates variant: blocks capturing
+    at every step against blocks capturing at none, each pair with a base block (medians over pairs of the
+    paired ratios, so the machine's drifts cancel); None without that variant."""
+    upd = next((v for v in variants if v.name == "ampviz-updates"), None)
+    if upd is None:
+        return None
+    base = next(v for v in variants if v.name == "base")
+    recording = upd.rec._recording
+    updates, every = recording.updates, recording.updates.every
+    extra, ratios = [], []
+    for _ in range(pairs):
+        base_s = base.block(block)
+        updates.every = 1                                  # every step of this block captures
+        updates.arm(recording.step_index)
+        with_capture = upd.block(block)
+        updates.every = 1 << 40                            # no step of this block does
+        updates.arm(recording.step_index)
+        extra.append(with_capture - upd.block(block))
+        ratios.append(extra[-1] / base_s)
+    updates.every = every
+    updates.arm(recording.step_index)
+    return statistics.median(ratios), statistics.median(extra), updates.copy_bytes, every
 
 
 def main(argv=None) -> int:
@@ -210,6 +241,13 @@ def main(argv=None) -> int:
             for name, seconds in res["saves"].items():
                 print(f"{name}: {len(seconds)} saves in {res['steps']} steps (the last on close), "
                       f"{1e3 * statistics.median(seconds):.1f} ms each (median; max {1e3 * max(seconds):.1f} ms)")
+            if res["update_cost"] is not None:
+                steps, one, nbytes, every = res["update_cost"]
+                weights = res["median"].get("ampviz-weights", res["median"]["ampviz-updates"])[1]
+                print(f"ampviz-updates: one update capture costs {one * 1e3:.2f} ms = {steps:.3f} base steps "
+                      f"(a copy of {nbytes / 2**20:.1f} MiB of weights on that step only); at every={every} it adds "
+                      f"{steps / every:.4f} to the ratio: {weights + steps / every:.3f} amortized vs "
+                      f"ampviz-weights {weights:.3f}")
             per_step = res["tensors"] * H.NBINS * 8
             print(f"the largest ampviz variant keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
                   f"{per_step:,} bytes per recorded step on the host")

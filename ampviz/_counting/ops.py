@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["NBINS", "Binner", "group_offsets", "prepare", "dense_flat"]
+__all__ = ["NBINS", "Binner", "group_offsets", "prepare", "dense_flat", "fp64_columns"]
 
 NBINS = 257
 _SMALL = 1 << 16          # tensors below this many elements are keyed together (per-op overhead dominates)
@@ -140,7 +140,7 @@ class Binner:
             torch.bitwise_and(chunk.view(torch.int16), 0x7FFF, out=keys)   # reads 2 bytes, stores 4
             keys.sub_(1).bitwise_right_shift_(7)
         elif chunk.dtype == torch.float64:         # exact, from the 64 bits (no rounding to fp32)
-            keys.copy_(_fp64_columns(chunk).sub_(1))
+            keys.copy_(fp64_columns(chunk).sub_(1))
         else:                                      # fp16, fp8: exact in fp32
             keys.view(torch.float32).copy_(chunk)
             keys.bitwise_and_(0x7FFFFFFF).sub_(1).bitwise_right_shift_(23)
@@ -201,7 +201,7 @@ def _count_index_add(keys: torch.Tensor, target: torch.Tensor) -> None:
     target.index_add_(0, keys, torch.ones((), dtype=target.dtype, device=keys.device).expand(keys.numel()))
 
 
-def _fp64_columns(x: torch.Tensor) -> torch.Tensor:
+def fp64_columns(x: torch.Tensor) -> torch.Tensor:
     """Column of every fp64 value: binade k = ((bits(|x|) - 1) >> 52) - 1023, clamped to "below" / "above"."""
     a = x.view(torch.int64).bitwise_and(0x7FFFFFFFFFFFFFFF)
     col = a.sub(1).bitwise_right_shift_(52).sub_(1023 - 128).clamp_(1, NBINS - 2)

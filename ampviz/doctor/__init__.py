@@ -28,7 +28,12 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
 * ``scheduler_on_skipped`` (warning): LR-scheduler steps taken on skipped steps (``Run.scheduler_steps``);
 * ``silent_skips`` (warning), ``scale_at_minimum`` (error): runs recorded from a DeepSpeed engine
   (``ampviz.integrations.deepspeed``, ``run.meta["deepspeed"]``): steps DeepSpeed skipped in a bf16 (or fp32) run,
-  which has no loss scale to show them; an fp16 scale pinned at ``min_loss_scale`` while steps still overflow.
+  which has no loss scale to show them; an fp16 scale pinned at ``min_loss_scale`` while steps still overflow;
+* ``weights_stall`` (warning): with ``Recorder(..., updates=N)``, bf16 / fp16 weights (no fp32 master copy) whose
+  updates round to nothing (gradient non-zero, weight unchanged), norms and biases first;
+  ``bf16_weights_would_stall`` (info): in an fp32-weight run, the share of updates below half a bf16 ulp of their
+  weight (``|dw|/|w| <= 2**-9``), i.e. what dropping fp32 master weights would lose (``report["updates"]``
+  holds the per-tensor numbers and a one-line verdict either way).
 
 Every finding is a dict: ``check``, ``severity`` ("error", "warning", "info"), ``summary`` (one line),
 ``steps``, ``tensors``, ``ranks``, ``evidence`` (numbers), ``details`` (evidence in words) and
@@ -52,12 +57,13 @@ from ._scheduler import scheduler_findings
 from ._switch import switch_table
 from ._underflow import flushed_in_backward as _flushed_in_backward
 from ._underflow import underflow_findings
+from ._updates import master_weights_verdict, update_findings, update_summary
 
 __all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
           "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",
-          "scaler_unused", "silent_skips", "scale_at_minimum")
+          "scaler_unused", "silent_skips", "scale_at_minimum", "weights_stall", "bf16_weights_would_stall")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -73,19 +79,28 @@ def diagnose(run: Run) -> dict:
     dict of plain data: ``clean`` (no findings), ``findings`` (errors first), ``checks`` (what was checked
     and, where a check could not run, why), ``nonfinite_steps`` (per rank and step that was skipped or held
     inf/nan: its cause, one of ``CAUSES``, and first non-finite tensor), ``switch`` (see the module
-    docstring; None for fp16 runs) and ``run`` (steps, ranks, precision).
+    docstring; None for fp16 runs), ``updates`` (with ``Recorder(..., updates=N)``: per weight tensor the elements
+    updated and stalled and what bf16 weights would lose, and ``master_weights``, a one-line answer to "can I drop
+    fp32 master weights?" for fp32-weight runs; None without) and ``run`` (steps, ranks, precision).
     """
     facts = Facts(run)
     causes = step_causes(facts)
     found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + underflow_findings(facts)
              + scale_findings(facts, causes) + deepspeed_findings(facts) + rank_findings(facts)
-             + scheduler_findings(facts))
+             + scheduler_findings(facts) + update_findings(facts))
     found.sort(key=lambda f: _RANK[f["severity"]])
     return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
                           "precision": facts.precision, "scaler": facts.has_scaler,
                           "skipped": int(run.skipped[0].sum()) if run.n_steps else 0},
                   "clean": not found, "findings": found, "checks": _checks(facts, causes), "nonfinite_steps": causes,
-                  "switch": switch_table(facts)})
+                  "switch": switch_table(facts), "updates": _updates_report(facts)})
+
+
+def _updates_report(facts: Facts) -> dict | None:
+    summary = update_summary(facts)
+    if summary is None:
+        return None
+    return dict(summary, master_weights=master_weights_verdict(facts))
 
 
 def flushed_in_backward(run: Run) -> list[dict]:
@@ -111,7 +126,9 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
             ("ranks agree", facts.n_ranks > 1, "one rank", []),
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
              "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),
-            ("can I switch precision", facts.precision != "fp16", "already fp16", [])]
+            ("can I switch precision", facts.precision != "fp16", "already fp16", []),
+            ("weight updates (stalls, master weights)", run.update_steps is not None,
+             "no updates recorded: Recorder(..., updates=100)", [])]
     if run.meta.get("deepspeed"):                 # only runs recorded from a DeepSpeed engine have these facts
         rows.insert(4, ("DeepSpeed's skips and scale", True, "", []))
     out = []

@@ -52,6 +52,9 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
         lines += [(f"      {d}", "        ") for d in f["details"]]
         lines.append((f"      what to do: {f['recommendation']}", "        "))
     lines += [(f"  {line}", "    ") for line in checks_line(diagnosis)]
+    verdict = (diagnosis.get("updates") or {}).get("master_weights")
+    if verdict:                                      # an fp32-weight run with updates= recorded
+        lines.append((f"  {verdict}", "    "))
     if diagnosis.get("switch"):
         lines += [(line, "      ") for line in switch_text(diagnosis["switch"])]
     return "\n".join(_wrap(printable(text), indent, width) for text, indent in lines)

@@ -36,6 +36,7 @@ from ._save import Saver
 from ._signals import SaveOnTerm, held_signals
 from ._store import StepStore
 from ._unwrap import compiled_modules
+from ._updates import UpdateCapture
 
 if TYPE_CHECKING:
     from .recorder import Recorder
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 _FILE_ARRAYS = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts", "grad_order")
+_UPDATE_ARRAYS = ("update_steps", "update_counts", "update_rel_counts", "update_stalled")
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,14 @@ class _Recording:
             self.saver: Saver | None = None
             self.term = SaveOnTerm()
             self.run: Run | None = None                    # the final run, once close() built it
+            # the weights' updates, every ``options.updates`` steps (0: off); not for a framework's own weights
+            self.updates: UpdateCapture | None = None
+            if options.updates and self.framework is None and rec._params:
+                self.updates = UpdateCapture(rec._params, options.updates, self.device)
+                self.updates.arm(0)
+            elif options.updates:
+                warn("Recorder: updates= records nothing here (" + ("the framework keeps the weights"
+                     if self.framework is not None else "no weights are watched") + ")")
             self._aim()
         except BaseException:
             self.counter.close()
@@ -115,6 +125,8 @@ class _Recording:
         root = None if getattr(rec._given, "_compiled_call_impl", None) is not None else rec._given
         self.capture.install(root, rec.optimizer, global_hook=rec.optimizer is None, scaler=self.scaler,
                              skip=self.late)
+        if self.updates is not None:
+            self.updates.install(rec.optimizer, self.capture.handles)                 # removed with the hooks
         if self.framework is not None:
             self.capture.handles.append(self.framework.install(self.capture))     # removed with the hooks
         path = rec.options.path
@@ -138,7 +150,8 @@ class _Recording:
             self.flush()
             self.run = self.build_run(final=True)
             if self.saver is not None:
-                self.saver.save(self.store, self.step_index, self._file_meta(), self._file_arrays)
+                self.saver.save(self.store, self.step_index, self._file_meta(), self._file_arrays,
+                                updates=self._update_rows())
             if not failing:
                 self.checks.at_close(self.step_index, self.capture, self.forwards)
                 problems = [p for p in self.rec._model_changes() if p not in self.changes_seen]
@@ -183,6 +196,11 @@ class _Recording:
         """Copy everything recorded so far to the host (a device->host sync)."""
         self._flush_counts()
         self.store.flush_scalars()
+        if self.updates is not None:
+            self.updates.flush()
+
+    def _update_rows(self) -> int:
+        return 0 if self.updates is None else self.updates.n_rows
 
     def step(self, loss: Any) -> None:
         """End one optimizer step (``rec.step(loss)``)."""
@@ -206,19 +224,27 @@ class _Recording:
                 warn(f"Recorder: the model changed after `with recorder:` began ({'; '.join(problems[:4])}): "
                      f"those rows do not fill")
         self.forwards += capture.forwards
+        if self.updates is not None:
+            self.updates.end_step(self.step_index)
         self.step_index += 1
         capture.new_step(recorded=self._recorded(self.step_index))
+        if self.updates is not None:
+            self.updates.arm(self.step_index)
         if self.saver is not None and self.saver.due(self.step_index):
             self.flush()                                   # note: a device->host sync, once per save
-            self.saver.periodic(self.store, self.step_index, self._file_meta(), self._file_arrays)
+            self.saver.periodic(self.store, self.step_index, self._file_meta(), self._file_arrays,
+                                updates=self._update_rows())
 
     # ------------------------------------------------------------------ the run and its file
-    def _file_arrays(self, steps_from: int, rows_from: int) -> dict[str, np.ndarray]:
-        """The arrays of the rank file (views of the store) from step ``steps_from`` and histogram row
-        ``rows_from`` on."""
+    def _file_arrays(self, steps_from: int, rows_from: int, updates_from: int = 0) -> dict[str, np.ndarray]:
+        """The arrays of the rank file (views of the store) from step ``steps_from``, histogram row ``rows_from``
+        and update row ``updates_from`` on."""
         a = self.store.arrays(self.prev_scale, self._skip_by_scale(), copy=False, steps_from=steps_from,
                               rows_from=rows_from)
-        return {k: a[k] for k in _FILE_ARRAYS + (("scheduler_steps",) if self.scheduler is not None else ())}
+        out = {k: a[k] for k in _FILE_ARRAYS + (("scheduler_steps",) if self.scheduler is not None else ())}
+        if self.updates is not None:
+            out.update(self.updates.arrays(updates_from))
+        return out
 
     def _file_meta(self) -> dict[str, Any]:
         rec = self.rec
@@ -236,9 +262,13 @@ class _Recording:
         a = self.store.arrays(self.prev_scale, self._skip_by_scale(), copy=not final, hist_after=hist_after)
         per_rank = {k: a[k][None] for k in ("loss", "loss_scale", "next_scale", "skipped", "counts", "grad_order")}
         scheduler_steps = None if self.scheduler is None else a["scheduler_steps"][None]
+        updates: dict[str, Any] = {}
+        if self.updates is not None:
+            u = self.updates.arrays(0)
+            updates = {k: (v if k == "update_steps" else v[None]) for k, v in u.items()}
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(rec.tensor_names),
                    tensor_kinds=list(rec.tensor_kinds), tensor_dtypes=self._tensor_dtypes(),
-                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank)
+                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank, **updates)
 
     def _tensor_dtypes(self) -> list[str]:
         """Each row's dtype: weight rows the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes

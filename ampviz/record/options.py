@@ -46,6 +46,7 @@ class RecordOptions:
     save_every_steps: int | None = None
     enabled: bool = True
     compiled_by: str | None = None
+    updates: Any = False
 
     def __post_init__(self):
         set_ = object.__setattr__                          # frozen: the checked values replace the given ones
@@ -63,6 +64,7 @@ class RecordOptions:
         for name in ("weights", "activations", "outputs"):
             check_filter(getattr(self, name), name)
         set_(self, "local_weights", bool(self.local_weights))
+        set_(self, "updates", check_updates(self.updates))
 
     @classmethod
     def names(cls) -> list[str]:
@@ -96,6 +98,22 @@ class RecordOptions:
                 value = None if value is None else os.fsdecode(value)
             out[name] = value
         return out
+
+
+UPDATE_EVERY = 100          # updates=True: the weights' updates are measured every this many steps
+
+
+def check_updates(value) -> int:
+    """``updates=`` as the number of steps between update captures: 0 (off) for False / None / 0,
+    ``UPDATE_EVERY`` for True, or the positive int given."""
+    if value is None or value is False:
+        return 0
+    if value is True:
+        return UPDATE_EVERY
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise ValueError(f"updates: expected True (every {UPDATE_EVERY} steps), False or a number of steps >= 1 "
+                     f"between update captures, got {value!r}")
 
 
 def _filter_text(spec):

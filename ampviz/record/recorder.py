@@ -129,6 +129,12 @@ class Recorder:
     compiled_by : where a framework runs ``model`` under torch.compile through a wrapper the Recorder never
         sees, the setting that does it (e.g. ``"TrainingArguments(torch_compile=True)"``): the rules above for
         compiled models then apply to the whole model, and the warning and errors name the setting.
+    updates : measure the weights' applied updates every this many steps (True: every 100; False, the default:
+        never): on those steps each watched parameter the optimizer steps is copied just before
+        ``optimizer.step`` (one copy of those parameters in their dtype, on those steps only) and compared after:
+        ``run.update_counts`` (|dw| / ulp(w) in the weight's dtype), ``run.update_rel_counts`` (|dw| / |w|) and
+        ``run.update_stalled`` (gradient non-zero, weight unchanged), along ``run.update_steps``. A step the
+        GradScaler skipped has no update row. The doctor's ``weights_stall`` reads them.
     options : an :class:`ampviz.RecordOptions` holding the options above (the keyword arguments given with it
         change those); ``rec.options`` is the one in use, and the run's ``meta["options"]`` its JSON.
     """

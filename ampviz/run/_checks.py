@@ -47,6 +47,7 @@ def structure_problems(run) -> list[str]:
         return problems
     problems += _order_problems(np.asarray(run.steps), np.asarray(run.hist_steps))
     problems += _tensor_problems(run)
+    problems += update_problems(run)
     problems += meta_problems(run.meta, np.shape(run.loss)[0])
     return problems
 
@@ -78,6 +79,54 @@ def _shape_problems(run) -> list[str]:
         problems.append(f"grad_order has shape {np.shape(run.grad_order)}, expected {exp[:3]}")
     if run.scheduler_steps is not None and np.shape(run.scheduler_steps) != (R, N):
         problems.append(f"scheduler_steps has shape {np.shape(run.scheduler_steps)}, expected {(R, N)}")
+    return problems
+
+
+_UPDATES = ("update_steps", "update_counts", "update_rel_counts", "update_stalled")
+
+
+def update_problems(run) -> list[str]:
+    """The update arrays (``Recorder(..., updates=N)``): all or none; shapes along their own step axis (U,) and
+    the weight rows (W); integer dtypes; update steps strictly increasing, among the run's steps; counts
+    non-negative, summable, and stalled elements no more than a row's elements."""
+    given = [getattr(run, name, None) is not None for name in _UPDATES]
+    if not any(given):
+        return []
+    if not all(given):
+        missing = [n for n, g in zip(_UPDATES, given) if not g]
+        return [f"{missing[0]}: missing while {_UPDATES[given.index(True)]} is present (the update arrays come "
+                f"together)"]
+    steps = run.update_steps
+    if np.ndim(steps) != 1:
+        return [f"update_steps has shape {np.shape(steps)}, expected (n,)"]
+    R, U, W = np.shape(run.loss)[0], np.size(steps), sum(k == "weight" for k in run.tensor_kinds)
+    problems = []
+    for name, shape in (("update_counts", (R, U, W, NBINS)), ("update_rel_counts", (R, U, W, NBINS)),
+                        ("update_stalled", (R, U, W))):
+        if np.shape(getattr(run, name)) != shape:
+            problems.append(f"{name} has shape {np.shape(getattr(run, name))}, expected {shape}")
+    for name in _UPDATES:
+        if np.asarray(getattr(run, name)).dtype.kind not in "iu":
+            problems.append(f"{name}: expected integers, got dtype {np.asarray(getattr(run, name)).dtype}")
+    if problems:
+        return problems
+    if steps.size and steps[0] < 0:
+        problems.append(f"update_steps: negative step {steps[0]}")
+    bad = np.flatnonzero(np.diff(steps) <= 0)
+    if bad.size:
+        problems.append(f"update_steps: not strictly increasing ({steps[bad[0] + 1]} after {steps[bad[0]]})")
+    elif steps.size and not np.isin(steps, run.steps).all():
+        problems.append(f"update_steps: step {steps[~np.isin(steps, run.steps)][0]} has an update but is not in "
+                        f"steps")
+    for name in _UPDATES[1:]:
+        values = getattr(run, name)
+        if values.size and values.min() < 0:
+            problems.append(f"{name}: negative count {values.min()}")
+        elif values.size and values.sum(dtype=np.float64) >= _COUNT_LIMIT:
+            problems.append(f"{name}: the counts add up beyond 2**62; not real counts")
+    if not problems and run.update_stalled.size and (
+            run.update_stalled > run.update_counts.sum(axis=-1)).any():
+        problems.append("update_stalled: more stalled elements than the tensor holds")
     return problems
 
 

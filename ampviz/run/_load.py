@@ -28,6 +28,7 @@ from ._file import (
     META_BYTES,
     PER_HIST,
     PER_STEP,
+    UPDATE_ARRAYS,
     Budget,
     RunFileError,
     members,
@@ -65,6 +66,7 @@ def load(path, budget: Budget | None = None):
                 raise RunFileError(f"{path}: {e}") from None
             order = [next(r for r in ranks if r.light is light) for light in lights]
         arrays = _second_pass(order, steps, hist_steps, budget, path)
+    arrays.update(_merged_updates([r.light for r in order]))
     for r in order:
         if r.torn:
             warnings.warn(f"{r.path}: its last save did not finish ({size_text(r.torn)} at its end left out); "
@@ -100,6 +102,7 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
             small[name] = _read_small(path, archive, parts[name], name, budget, (n,))
     heads = {name: _headers(path, archive, parts[name], name, budget, (h, t) + ((NBINS,) if name == "counts" else ()))
              for name in PER_HIST[1:] if name in parts}
+    updates = _read_updates(path, archive, parts, budget, lists["tensor_kinds"])
     zeros: dict[str, np.ndarray] = {
         name: np.broadcast_to(np.zeros((), DTYPES[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
         for name in heads}
@@ -108,13 +111,54 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
                     loss_scale=small["loss_scale"][None], next_scale=small["next_scale"][None],
                     skipped=small["skipped"][None],
                     counts=zeros["counts"], grad_order=zeros.get("grad_order"),
-                    scheduler_steps=small["scheduler_steps"][None] if "scheduler_steps" in small else None)
+                    scheduler_steps=small["scheduler_steps"][None] if "scheduler_steps" in small else None,
+                    **updates)
     except RunFileError as e:
         raise RunFileError(f"{path}: {str(e).removeprefix('Run: ')}") from None
     problems = checks.scale_problems(light)             # the histograms' values: in the second pass
     if problems:
         raise RunFileError(f"{path}: corrupt run: {checks.problem_text(problems)}")
     return _RankFile(path=path, archive=archive, torn=torn, parts=parts, heads=heads, meta=meta, light=light)
+
+
+def _read_updates(path, archive, parts: dict, budget: Budget, kinds: list) -> dict:
+    """The update arrays of one file (with a rank axis of 1), read whole; {} when the file has none."""
+    if not any(name in parts for name in UPDATE_ARRAYS):
+        return {}
+    missing = [name for name in UPDATE_ARRAYS if name not in parts]
+    if missing:
+        raise RunFileError(f"{path}: corrupt run: {missing[0]}: missing while other update arrays are present")
+    steps = _read_small(path, archive, parts["update_steps"], "update_steps", budget, ())
+    if steps.ndim != 1:
+        raise RunFileError(f"{path}: corrupt run: update_steps has shape {steps.shape}, expected (n,)")
+    W = sum(k == "weight" for k in kinds)
+    out = {"update_steps": steps}
+    for name in UPDATE_ARRAYS[1:]:
+        shape = (steps.size, W) + ((NBINS,) if name != "update_stalled" else ())
+        out[name] = _read_rows(path, archive, parts[name], name, budget, shape)[None]
+    return out
+
+
+def _read_rows(path, archive, infos, name: str, budget: Budget, shape: tuple) -> np.ndarray:
+    """An array of ``shape`` stored in parts along its first axis, read whole (each part's header checked first)."""
+    kinds, dtype, what = DTYPES[name]
+    pieces = []
+    expect = shape if len(infos) == 1 else (None,) + shape[1:]
+    for k, info in enumerate(infos):
+        budget.check(info.file_size, path, name)
+        with npy_member(path, archive, info, _part(name, k, infos), kinds, what, expect) as member:
+            budget.take(member.nbytes, path, name)
+            pieces.append(_convert(path, name, member.read(), dtype))
+    arr = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    if arr.shape != shape:
+        raise RunFileError(f"{path}: corrupt run: {name} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def _merged_updates(lights: list) -> dict:
+    """The ranks' update arrays along a rank axis, at the update steps they share."""
+    from .run import merge_updates
+    return merge_updates(lights)
 
 
 def _read_meta(path, archive, info, budget: Budget) -> dict:

@@ -16,6 +16,14 @@ and, when the recorder had them (None otherwise)::
                                        backward pass (0 first, i.e. closest to the loss; -1 not counted)
     scheduler_steps  (R, N) int64      the LR scheduler's ``last_epoch`` after each optimizer step
 
+and, with ``Recorder(..., updates=N)`` (None otherwise), the weights' updates every N steps, on their own step
+axis, one column per weight row (``tensors_of("weight")``, in order: W of them)::
+
+    update_steps       (U,) int64              steps whose optimizer update was measured
+    update_counts      (R, U, W, NBINS) int64  binade histogram of |dw| / ulp(w), ulp in the weight's dtype
+    update_rel_counts  (R, U, W, NBINS) int64  binade histogram of |dw| / |w|
+    update_stalled     (R, U, W) int64         elements whose gradient was non-zero and whose weight did not move
+
 plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
 multiplied by the loss scale. :meth:`Run.counts_for` reads any selection in either view (``rank=`` is a rank
@@ -49,6 +57,7 @@ __all__ = ["Run", "RunFileError", "SCHEMA_VERSION", "DOMAINS", "VIEWS", "KINDS"]
 VIEWS = DOMAINS + ("recorded",)       # what counts_in() accepts: a domain, or the counts as stored
 _PER_RANK = ("loss", "loss_scale", "next_scale", "skipped", "counts")
 _OPTIONAL = ("grad_order", "scheduler_steps")          # per rank too; None when not recorded
+UPDATE_ARRAYS = ("update_counts", "update_rel_counts", "update_stalled")   # per rank, along update_steps
 
 
 @dataclass
@@ -68,6 +77,10 @@ class Run:
     meta: dict = field(default_factory=dict)
     grad_order: np.ndarray | None = None
     scheduler_steps: np.ndarray | None = None
+    update_steps: np.ndarray | None = None
+    update_counts: np.ndarray | None = None
+    update_rel_counts: np.ndarray | None = None
+    update_stalled: np.ndarray | None = None
 
     _log2_scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -312,11 +325,16 @@ class Run:
             meta["ranks"] = [rank]
         order = None if self.grad_order is None else self.grad_order[r][:, :, t]
         sched = None if self.scheduler_steps is None else self.scheduler_steps[r]
+        updates: dict = {}
+        if self.update_steps is not None:                  # the update columns of the weight rows kept
+            weights = self.tensors_of("weight")
+            cols = [weights.index(i) for i in t if i in weights]        # in the selection's order
+            updates = {name: getattr(self, name)[r][:, :, cols] for name in UPDATE_ARRAYS}
         return replace(self, loss=self.loss[r], loss_scale=self.loss_scale[r], next_scale=self.next_scale[r],
                        skipped=self.skipped[r], counts=self.counts[r][:, :, t],
                        tensor_names=[self.tensor_names[i] for i in t], tensor_kinds=[self.tensor_kinds[i] for i in t],
                        tensor_dtypes=[self.tensor_dtypes[i] for i in t], meta=meta, grad_order=order,
-                       scheduler_steps=sched)
+                       scheduler_steps=sched, **updates)
 
     # ------------------------------------------------------------------ summaries
     def fate_in(self, format, domain: str = "unscaled") -> H.Fate:
@@ -436,7 +454,7 @@ class Run:
         return cls(steps, cat("loss", "steps"), cat("loss_scale", "steps"), cat("next_scale", "steps"),
                    cat("skipped", "steps"), hist_steps, cat("counts", "hist_steps"), first.tensor_names,
                    first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", "hist_steps"),
-                   scheduler_steps=cat("scheduler_steps", "steps"))
+                   scheduler_steps=cat("scheduler_steps", "steps"), **merge_updates(runs))
 
     def _rank_payload(self, i: int):
         """(arrays, meta) of rank index ``i``, as one run file stores them."""
@@ -448,6 +466,10 @@ class Run:
             arrays[name] = arrays[name][i]
         for name in _OPTIONAL:
             if getattr(self, name) is not None:
+                arrays[name] = getattr(self, name)[i]
+        if self.update_steps is not None:
+            arrays["update_steps"] = self.update_steps
+            for name in UPDATE_ARRAYS:
                 arrays[name] = getattr(self, name)[i]
         return arrays, meta
 
@@ -467,3 +489,15 @@ class Run:
         what went wrong, the evidence (steps, tensors, values) and what to do. See :mod:`ampviz.doctor`."""
         from ..doctor import diagnose  # lazily, the one allowed run -> doctor edge (doctor imports Run)
         return diagnose(self)
+
+
+def merge_updates(runs: list) -> dict:
+    """The update arrays of single-rank ``runs`` merged along the rank axis, at the update steps every rank has
+    (none when a rank has none)."""
+    if any(r.update_steps is None for r in runs):
+        return {}
+    common = checks.common_steps(runs, "update_steps")
+    out: dict = {"update_steps": common}
+    for name in UPDATE_ARRAYS:
+        out[name] = np.concatenate([getattr(r, name)[:, np.searchsorted(r.update_steps, common)] for r in runs])
+    return out
