@@ -73,6 +73,7 @@ def run_all(page, lab, notebook: str, clock: Clock, raises=(), timeout_s: float 
         status = page.evaluate("() => document.querySelector('.jp-StatusBar-Widget')?.textContent")
         clock(f"execution stalled (status bar: {status!r}; server: {lab.kernel_events()}): new session, "
               "reload, Run All again")
+        page.replaced_kernel = True     # its requests in flight end as "Canceled future" page errors
         lab.end_sessions(notebook)
         lab.start_session(notebook)
         open_notebook(page, lab, notebook)

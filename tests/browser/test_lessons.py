@@ -22,6 +22,7 @@ nothing costs GRACE_S more); run one with ``python -m pytest tests/browser/test_
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -46,6 +47,11 @@ BARE = ("a FigureWidget drew blank axes: its data reached the page after the vie
         "FigureWidget's data in an update after opening its comm, and anywidget can render first)")
 
 
+# what JupyterLab's page raises for the requests a kernel had in flight when run_all replaced it after a stall (a CI
+# dry run met it under load: "Canceled future for create_subshell_request message before replies were done")
+REPLACED_KERNEL = re.compile(r"Canceled future for \w+ message before replies were done")
+
+
 def findings(page, exerciser: Exerciser, initial_problems: list, empty: list, bare: list) -> list[tuple]:
     """Everything that fails the lesson: (cell or None, one line)."""
     problems = dict(exerciser.problems)
@@ -56,7 +62,8 @@ def findings(page, exerciser: Exerciser, initial_problems: list, empty: list, ba
             + [(cell, f"cell {cell}: explorer graph {title!r} starts empty (no trace with a non-zero value)")
                for cell, title in empty]
             + [(cell, f"cell {cell}: {problem} ({when})") for (cell, problem), when in sorted(problems.items())]
-            + [(None, f"page error: {e}") for e in page.errors]
+            + [(None, f"page error: {e}") for e in page.errors
+               if not (getattr(page, "replaced_kernel", False) and REPLACED_KERNEL.search(e))]
             + [(None, f"console error: {e}") for e in page.console_errors])
 
 
