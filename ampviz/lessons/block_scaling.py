@@ -1,7 +1,8 @@
 """Block-scaled casts (MXFP8, MXFP4, NVFP4) done for real, judged by the GEMMs they feed.
 
 :func:`quantize_blocks` casts a 2-D tensor in blocks along its last dimension and divides back (float32):
-OCP MX (one power-of-two E8M0 scale ``2**(floor(log2 amax) - emax)`` per block, a real
+OCP MX (one power-of-two E8M0 scale per block: the spec's ``2**(floor(log2 amax) - emax)`` or RCEIL's
+``amax / max`` rounded up; a real
 ``torch.float8_e8m0fnu`` cast, elements cast with saturation) for any block size, or NVFP4 (blocks of 16, an
 E4M3 block scale under a per-tensor fp32 scale). These mirror the reference casts of ``tests/test_blocks.py``
 that ``ampviz.blocks`` is checked against. E2M1 elements are rounded onto the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}
@@ -73,20 +74,21 @@ def quantize_blocks(x: torch.Tensor, element: str = "e4m3", block: int | None = 
     """``x`` cast in blocks of ``block`` values along its last dimension (None: a whole row), one power-of-two
     E8M0 scale ``X`` per block, divided back (float32, same shape).
 
-    ``rule`` "ocp": OCP MX's ``X = 2**(floor(log2 amax) - emax)``, which puts the block's amax in
-    ``[2**emax, 2**(emax+1))``, so the largest values can exceed the element's max and saturate (E4M3 above
-    448 = 1.75 * 2**8); "fit": the smallest ``X`` with ``amax / X <= max`` (as ``fp8_scaling.amax_scale``
-    per tensor), which never saturates.
+    ``rule`` "ocp": the OCP MX spec's ``X = 2**(floor(log2 amax) - emax)`` (torchao's FLOOR mode), which puts
+    the block's amax in ``[2**emax, 2**(emax+1))``, so the largest values can exceed the element's max and
+    saturate (E4M3 above 448 = 1.75 * 2**8); "rceil": ``amax / max`` rounded up to a power of two, the smallest
+    ``X`` with ``amax / X <= max`` (torchao's RCEIL mode, Transformer Engine's ``MXFP8BlockScaling``; as
+    ``fp8_scaling.amax_scale`` per tensor), which never saturates.
     """
     if element not in ELEMENTS:
         raise ValueError(f"element: expected one of {tuple(ELEMENTS)}, got {element!r}")
-    if rule not in ("ocp", "fit"):
-        raise ValueError(f"rule: expected 'ocp' or 'fit', got {rule!r}")
+    if rule not in ("ocp", "rceil"):
+        raise ValueError(f"rule: expected 'ocp' or 'rceil', got {rule!r}")
     b = _blocks(x, block)
     amax = b.abs().amax(dim=2, keepdim=True)
     fmt = ELEMENTS[element]
     exponent = (torch.frexp(amax)[1] - 1).float() - fmt.emax
-    if rule == "fit":                       # one binade up where the amax would land above max
+    if rule == "rceil":                     # one binade up where the amax would land above max
         exponent = exponent + (amax > fmt.max * torch.exp2(exponent)).float()
     exponent = torch.where(amax > 0, exponent, -127.0)
     scale = torch.exp2(exponent.clamp(-127, 127)).to(torch.float8_e8m0fnu).float()    # a real E8M0 scale
@@ -182,9 +184,9 @@ def set_blocks(fig, errors: dict, element: str, label: str) -> None:
     values = [v for v in now + tensor if v > 0]
     lo, hi = np.log10(min(values)), np.log10(max(values))
     fig.layout.yaxis.range = [lo - 0.3, hi + 0.3]
-    blocks = "a whole row" if label == "whole row" else f"{label} values"
+    blocks = "row" if label == "whole row" else f"{label} values"
     fig.layout.title.text = title_text((fig.layout.title.text or "").partition("<br>")[0],
-                                       f"{element.upper()} elements, one E8M0 scale per {blocks} along each "
+                                       f"{element.upper()} elements, one E8M0 scale (OCP rule) per {blocks} along each "
                                        "GEMM's reduction dimension")
 
 
