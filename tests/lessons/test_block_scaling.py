@@ -90,6 +90,11 @@ def test_block_size_explorer_every_control_changes_the_figure():
     after_slider = state()
     assert after_slider != first and after_slider[0][1] != first[0][1]   # the per-block bars moved
     w.element_dropdown.value = "e2m1"
-    assert state() != after_slider and state()[0][0] != after_slider[0][0]   # both traces change with the format
+    after_element = state()
+    assert after_element != after_slider and after_element[0][0] != after_slider[0][0]   # both traces change
+    w.rule_dropdown.value = "rceil"
+    assert state()[0] != after_element[0] and "RCEIL" in state()[1] and state()[2] != after_element[2]
+    with pytest.raises(ValueError, match="rule"):
+        BlockSizeExplorer({"a": operands()}, rule="floor")
     with pytest.raises(ValueError, match="block"):
         BlockSizeExplorer({"a": operands()}, block="7")
