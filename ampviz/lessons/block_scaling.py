@@ -1,7 +1,8 @@
 """Block-scaled casts (MXFP8, MXFP4, NVFP4) done for real, judged by the GEMMs they feed.
 
 :func:`quantize_blocks` casts a 2-D tensor in blocks along its last dimension and divides back (float32):
-OCP MX (one power-of-two E8M0 scale ``2**(floor(log2 amax) - emax)`` per block, a real
+OCP MX (one power-of-two E8M0 scale per block: the spec's ``2**(floor(log2 amax) - emax)`` or RCEIL's
+``amax / max`` rounded up; a real
 ``torch.float8_e8m0fnu`` cast, elements cast with saturation) for any block size, or NVFP4 (blocks of 16, an
 E4M3 block scale under a per-tensor fp32 scale). These mirror the reference casts of ``tests/test_blocks.py``
 that ``ampviz.blocks`` is checked against. E2M1 elements are rounded onto the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}
@@ -15,7 +16,8 @@ measures the relative error of ``Y``, ``dX``, ``dW`` against fp32::
     from ampviz.lessons.block_scaling import cast_gemm_errors, quantize_blocks
     cast_gemm_errors(ops["head"], partial(quantize_blocks, element="e4m3", block=32))   # MXFP8 E4M3
 
-:class:`BlockSizeExplorer` shows those errors over block sizes 16 ... a whole row, for E4M3 or E2M1 elements.
+:class:`BlockSizeExplorer` shows those errors over block sizes 16 ... a whole row, for E4M3 or E2M1 elements,
+under either scale rule.
 
 Used by lessons 08b (fp8 scaling).
 """
@@ -34,11 +36,12 @@ from ..plots.style import OKABE_ITO, base_layout, title_text
 from ..widgets.parts import figure_widget, table_html
 from .fp8_scaling import LinearOperands
 
-__all__ = ["ELEMENTS", "BLOCK_SIZES", "round_e2m1", "cast_elements", "quantize_blocks", "quantize_nvfp4", "mx_fates",
-           "cast_gemm_errors", "block_errors", "block_figure", "BlockSizeExplorer"]
+__all__ = ["ELEMENTS", "BLOCK_SIZES", "RULES", "round_e2m1", "cast_elements", "quantize_blocks", "quantize_nvfp4",
+           "mx_fates", "cast_gemm_errors", "block_errors", "block_figure", "BlockSizeExplorer"]
 
 ELEMENTS = {"e4m3": FP8_E4M3FN, "e5m2": FP8_E5M2, "e2m1": E2M1}
 BLOCK_SIZES = (("16", 16), ("32", 32), ("64", 64), ("128", 128), ("whole row", None))
+RULES = {"ocp": "OCP floor", "rceil": "RCEIL round-up"}                      # the scale rules, named
 GEMMS = ("Y", "dX", "dW")
 
 
@@ -73,20 +76,21 @@ def quantize_blocks(x: torch.Tensor, element: str = "e4m3", block: int | None = 
     """``x`` cast in blocks of ``block`` values along its last dimension (None: a whole row), one power-of-two
     E8M0 scale ``X`` per block, divided back (float32, same shape).
 
-    ``rule`` "ocp": OCP MX's ``X = 2**(floor(log2 amax) - emax)``, which puts the block's amax in
-    ``[2**emax, 2**(emax+1))``, so the largest values can exceed the element's max and saturate (E4M3 above
-    448 = 1.75 * 2**8); "fit": the smallest ``X`` with ``amax / X <= max`` (as ``fp8_scaling.amax_scale``
-    per tensor), which never saturates.
+    ``rule`` "ocp": the OCP MX spec's ``X = 2**(floor(log2 amax) - emax)`` (torchao's FLOOR mode), which puts
+    the block's amax in ``[2**emax, 2**(emax+1))``, so the largest values can exceed the element's max and
+    saturate (E4M3 above 448 = 1.75 * 2**8); "rceil": ``amax / max`` rounded up to a power of two, the smallest
+    ``X`` with ``amax / X <= max`` (torchao's RCEIL mode, Transformer Engine's ``MXFP8BlockScaling``; as
+    ``fp8_scaling.amax_scale`` per tensor), which never saturates.
     """
     if element not in ELEMENTS:
         raise ValueError(f"element: expected one of {tuple(ELEMENTS)}, got {element!r}")
-    if rule not in ("ocp", "fit"):
-        raise ValueError(f"rule: expected 'ocp' or 'fit', got {rule!r}")
+    if rule not in ("ocp", "rceil"):
+        raise ValueError(f"rule: expected 'ocp' or 'rceil', got {rule!r}")
     b = _blocks(x, block)
     amax = b.abs().amax(dim=2, keepdim=True)
     fmt = ELEMENTS[element]
     exponent = (torch.frexp(amax)[1] - 1).float() - fmt.emax
-    if rule == "fit":                       # one binade up where the amax would land above max
+    if rule == "rceil":                     # one binade up where the amax would land above max
         exponent = exponent + (amax > fmt.max * torch.exp2(exponent)).float()
     exponent = torch.where(amax > 0, exponent, -127.0)
     scale = torch.exp2(exponent.clamp(-127, 127)).to(torch.float8_e8m0fnu).float()    # a real E8M0 scale
@@ -136,14 +140,15 @@ def cast_gemm_errors(ops: LinearOperands, cast) -> dict:
     return {k: float((got[k] - ref[k]).norm() / ref[k].norm()) if ref[k].norm() > 0 else 0.0 for k in GEMMS}
 
 
-def block_errors(ops: dict, elements=("e4m3", "e2m1")) -> dict:
+def block_errors(ops: dict, elements=("e4m3", "e2m1"), rule: str = "ocp") -> dict:
     """``{(element, block label): {layer: {"Y", "dX", "dW"}}}`` for every MX block size of BLOCK_SIZES, plus
-    ``(element, "tensor")``: the same power-of-two rule with one scale for the whole tensor."""
-    whole = lambda element: lambda t: quantize_blocks(t.reshape(1, -1), element, None).reshape(t.shape)  # noqa: E731
+    ``(element, "tensor")``: the same power-of-two ``rule`` (see :func:`quantize_blocks`) with one scale for
+    the whole tensor."""
+    whole = lambda element: lambda t: quantize_blocks(t.reshape(1, -1), element, None, rule).reshape(t.shape)  # noqa: E731
     out = {}
     for element in elements:
         for label, block in BLOCK_SIZES:
-            cast = lambda t, b=block, e=element: quantize_blocks(t, e, b)                                 # noqa: E731
+            cast = lambda t, b=block, e=element: quantize_blocks(t, e, b, rule)                           # noqa: E731
             out[(element, label)] = {n: cast_gemm_errors(op, cast) for n, op in ops.items()}
         out[(element, "tensor")] = {n: cast_gemm_errors(op, whole(element)) for n, op in ops.items()}
     return out
@@ -156,9 +161,9 @@ def _bars(errors: dict, element: str, label: str) -> tuple[list, list, list]:
         [errors[(element, "tensor")][n][k] for n in layers for k in GEMMS]
 
 
-def block_figure(errors: dict, element: str = "e4m3", label: str = "32") -> go.Figure:
+def block_figure(errors: dict, element: str = "e4m3", label: str = "32", rule: str = "ocp") -> go.Figure:
     """Grouped bars: each GEMM's relative error with one MX scale per block of ``label`` values, against one
-    scale per tensor (same rule, same element format)."""
+    scale per tensor (same rule, same element format); ``errors`` is :func:`block_errors`' for ``rule``."""
     x, now, tensor = _bars(errors, element, label)
     fig = go.Figure()
     fig.add_bar(x=x, y=tensor, name="one scale per tensor", marker_color="#BBBBBB",
@@ -170,54 +175,63 @@ def block_figure(errors: dict, element: str = "e4m3", label: str = "32") -> go.F
                                     legend=dict(orientation="h", x=0.0, y=-0.2, yanchor="top"),
                                     margin=dict(l=70, r=30, t=90, b=110)))
     fig.update_yaxes(type="log", title_text="relative error ‖C′ − C‖ / ‖C‖", exponentformat="power")
-    set_blocks(fig, errors, element, label)
+    set_blocks(fig, errors, element, label, rule)
     return fig
 
 
-def set_blocks(fig, errors: dict, element: str, label: str) -> None:
-    """Redraw ``fig`` (in place) for an element format and a block size."""
+def set_blocks(fig, errors: dict, element: str, label: str, rule: str = "ocp") -> None:
+    """Redraw ``fig`` (in place) for an element format, a block size and a scale rule (``errors`` for it)."""
     x, now, tensor = _bars(errors, element, label)
     fig.data[0].update(x=x, y=tensor)
     fig.data[1].update(x=x, y=now)
     values = [v for v in now + tensor if v > 0]
     lo, hi = np.log10(min(values)), np.log10(max(values))
     fig.layout.yaxis.range = [lo - 0.3, hi + 0.3]
-    blocks = "a whole row" if label == "whole row" else f"{label} values"
+    blocks = "row" if label == "whole row" else f"{label} values"
     fig.layout.title.text = title_text((fig.layout.title.text or "").partition("<br>")[0],
-                                       f"{element.upper()} elements, one E8M0 scale per {blocks} along each "
-                                       "GEMM's reduction dimension")
+                                       f"{element.upper()} elements, one E8M0 scale per {blocks} ({RULES[rule]}) "
+                                       "along each GEMM's reduction dimension")
 
 
 class BlockSizeExplorer(W.VBox):
-    """A block-size slider (16, 32, 64, 128, a whole row) and an element dropdown (E4M3, E2M1) over the GEMM
-    errors of the layers in ``ops`` ({name: LinearOperands}); all precomputed, so the controls only index.
+    """A block-size slider (16, 32, 64, 128, a whole row), an element dropdown (E4M3, E2M1) and a scale-rule
+    dropdown (OCP floor, RCEIL) over the GEMM errors of the layers in ``ops`` ({name: LinearOperands}); all
+    precomputed, so the controls only index.
 
-    Attributes: element_dropdown, block_slider, readout (HTML), figure (FigureWidget), errors.
+    Attributes: element_dropdown, block_slider, rule_dropdown, readout (HTML), figure (FigureWidget),
+    errors ({rule: block_errors(ops, rule=rule)}).
     """
 
-    def __init__(self, ops: dict, element: str = "e4m3", block: str = "32"):
+    def __init__(self, ops: dict, element: str = "e4m3", block: str = "32", rule: str = "ocp"):
         if element not in ("e4m3", "e2m1"):
             raise ValueError(f"element: expected 'e4m3' or 'e2m1', got {element!r}")
         if block not in dict(BLOCK_SIZES):
             raise ValueError(f"block: expected one of {[b for b, _ in BLOCK_SIZES]}, got {block!r}")
-        self.errors = block_errors(ops)
+        if rule not in RULES:
+            raise ValueError(f"rule: expected one of {tuple(RULES)}, got {rule!r}")
+        self.errors = {r: block_errors(ops, rule=r) for r in RULES}
         self.element_dropdown = W.Dropdown(options=[("E4M3 (MXFP8)", "e4m3"), ("E2M1 (MXFP4)", "e2m1")],
                                            value=element, description="elements")
         self.block_slider = W.SelectionSlider(options=[b for b, _ in BLOCK_SIZES], value=block,
                                               description="block size")
+        self.rule_dropdown = W.Dropdown(options=[("OCP floor (spec)", "ocp"), ("RCEIL (TE, torchao)", "rceil")],
+                                        value=rule, description="scale rule")
         self.readout = W.HTML(self._readout_html())
-        self.figure = figure_widget(block_figure(self.errors, element, block))
-        self.element_dropdown.observe(self._on_change, "value")
-        self.block_slider.observe(self._on_change, "value")
-        super().__init__([W.HBox([self.element_dropdown, self.block_slider]), self.readout, self.figure])
+        self.figure = figure_widget(block_figure(self.errors[rule], element, block, rule))
+        for control in (self.element_dropdown, self.block_slider, self.rule_dropdown):
+            control.observe(self._on_change, "value")
+        super().__init__([W.HBox([self.element_dropdown, self.block_slider, self.rule_dropdown]), self.readout,
+                          self.figure])
 
     def _on_change(self, change=None) -> None:
         with self.figure.batch_update():
-            set_blocks(self.figure, self.errors, self.element_dropdown.value, self.block_slider.value)
+            set_blocks(self.figure, self.errors[self.rule_dropdown.value], self.element_dropdown.value,
+                       self.block_slider.value, self.rule_dropdown.value)
         self.readout.value = self._readout_html()
 
     def _readout_html(self) -> str:
         element, label = self.element_dropdown.value, self.block_slider.value
-        now, tensor = self.errors[(element, label)], self.errors[(element, "tensor")]
+        errors = self.errors[self.rule_dropdown.value]
+        now, tensor = errors[(element, label)], errors[(element, "tensor")]
         rows = [(f"{n} {k}", f"{now[n][k]:.2%} (per tensor {tensor[n][k]:.2%})") for n in now for k in GEMMS]
         return table_html(rows, title=f"{element.upper()}, blocks of {label}: relative GEMM error")

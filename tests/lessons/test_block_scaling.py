@@ -44,16 +44,20 @@ def test_mx_casts_match_ampviz_blocks_exact_counts(element, recipe):
         assert real["saturated"] > 0
 
 
-def test_mx_scale_is_a_power_of_two_per_block_and_fit_never_saturates():
+def test_mx_scale_is_a_power_of_two_per_block_and_rceil_never_saturates():
     x = spread()
-    for rule in ("ocp", "fit"):
+    for rule in ("ocp", "rceil"):
         q = quantize_blocks(x, "e4m3", 32, rule)
         assert q.shape == x.shape and torch.all(q.abs().view(64, 3, 32).amax(2) <= x.abs().view(64, 3, 32).amax(2)
                                                 * (1 + 2.0 ** -4))
-    fit, ocp, tensor = quantize_blocks(x, "e4m3", 32, "fit"), quantize_blocks(x, "e4m3", 32), quantize(x, "fp8_e4m3fn")
-    assert torch.all((fit - x).abs() <= (tensor - x).abs())            # a finer power-of-two scale rounds no worse
+    for t in (x, x.T.contiguous(), operands().x, operands().grad.T.contiguous()):   # rows, columns, real-ish
+        fit, tensor = quantize_blocks(t, "e4m3", 32, "rceil"), quantize(t, "fp8_e4m3fn")
+        assert torch.all((fit - t).abs() <= (tensor - t).abs())        # a finer power-of-two scale rounds no worse
+    fit, ocp = quantize_blocks(x, "e4m3", 32, "rceil"), quantize_blocks(x, "e4m3", 32)
     assert ((ocp - x).abs() > (fit - x).abs()).any()                   # OCP's scale saturates some block maxima
-    whole = quantize_blocks(x, "e4m3", None, "fit")
+    block_max = lambda q: q.abs().view(64, 3, 32).amax(2)                # noqa: E731
+    assert torch.all(block_max(fit) >= block_max(x) * (1 - 2.0 ** -4))  # RCEIL: every block max kept, never clipped
+    whole = quantize_blocks(x, "e4m3", None, "rceil")
     assert torch.equal(whole, quantize(x, "fp8_e4m3fn", "row"))       # a whole row = fp8_scaling's row-wise cast
 
 
@@ -86,6 +90,11 @@ def test_block_size_explorer_every_control_changes_the_figure():
     after_slider = state()
     assert after_slider != first and after_slider[0][1] != first[0][1]   # the per-block bars moved
     w.element_dropdown.value = "e2m1"
-    assert state() != after_slider and state()[0][0] != after_slider[0][0]   # both traces change with the format
+    after_element = state()
+    assert after_element != after_slider and after_element[0][0] != after_slider[0][0]   # both traces change
+    w.rule_dropdown.value = "rceil"
+    assert state()[0] != after_element[0] and "RCEIL" in state()[1] and state()[2] != after_element[2]
+    with pytest.raises(ValueError, match="rule"):
+        BlockSizeExplorer({"a": operands()}, rule="floor")
     with pytest.raises(ValueError, match="block"):
         BlockSizeExplorer({"a": operands()}, block="7")
