@@ -51,6 +51,11 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     g = torch.Generator().manual_seed(100 + rank)                  # each rank its own data
     oracle, scales, applied, skipped = [], [], [], []
     options = {"activations": True, **case.get("options", {})}
+    # a user's LR scheduler, stepped outside the engine after every engine step (a constant factor: the weights are
+    # those of the run without it); the Recorder watches it
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0) if case.get("scheduler") else None
+    if sched is not None:
+        options["scheduler"] = sched
     rec = Recorder(engine, path=os.path.join(out_dir, case["name"]), **options) if record else None
     if rec is not None and case.get("unreadable"):
         def unreadable(p):                             # as if a DeepSpeed release had moved its partitions
@@ -75,6 +80,8 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
                     full = [safe_get_full_grad(p) for p in engine.module.parameters()]   # collective: every rank
                     oracle.append([H.histogram(t.float() / scale).numpy() for t in full])
                 engine.step()
+                if sched is not None and boundary:
+                    sched.step()                                  # also on a step the engine skipped
                 if rec is not None:
                     rec.step(loss)
             scales.append(float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 1))))

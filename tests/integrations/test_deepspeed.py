@@ -39,7 +39,7 @@ EVERY = {"name": "zero1_every2", "stage": 1, "dtype": "bf16", "options": {"every
 BF16_FP32_ACCUM = {"name": "zero1_fp32_accum", "stage": 1, "dtype": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}
 # a DeepSpeed whose partitions cannot be read (planted): training goes on unchanged, with a warning
 UNREADABLE = {"name": "zero2_unreadable", "stage": 2, "dtype": "bf16", "unreadable": True}
-BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1}
+BF16_INF = {"name": "zero2_inf", "stage": 2, "dtype": "bf16", "inf_at": 1, "scheduler": True}
 # fp16 from the minimum: the planted overflow cannot back off (hysteresis 2 keeps the run alive at the minimum)
 FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
             "fp16": {"min_loss_scale": 256, "hysteresis": 2}}
@@ -186,6 +186,9 @@ def test_a_planted_overflow_in_bf16_is_skipped_by_deepspeed_and_found_by_the_doc
     assert silent[0]["evidence"]["engine_skipped_steps"] == 1
     assert any(f["check"] == "nonfinite_gradient" and 1 in f["steps"] for f in report["findings"])
     assert not any(f["check"] == "scale_at_minimum" for f in report["findings"])
+    # the user's scheduler, stepped outside the engine, advanced on the step DeepSpeed skipped
+    on_skipped = [f for f in report["findings"] if f["check"] == "scheduler_on_skipped"]
+    assert len(on_skipped) == 1 and on_skipped[0]["steps"] == [1], on_skipped
 
 
 @pytest.mark.slow
