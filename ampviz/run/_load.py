@@ -141,15 +141,7 @@ def _read_updates(path, archive, parts: dict, budget: Budget, kinds: list) -> di
 
 def _read_rows(path, archive, infos, name: str, budget: Budget, shape: tuple) -> np.ndarray:
     """An array of ``shape`` stored in parts along its first axis, read whole (each part's header checked first)."""
-    kinds, dtype, what = DTYPES[name]
-    pieces = []
-    expect = shape if len(infos) == 1 else (None,) + shape[1:]
-    for k, info in enumerate(infos):
-        budget.check(info.file_size, path, name)
-        with npy_member(path, archive, info, _part(name, k, infos), kinds, what, expect) as member:
-            budget.take(member.nbytes, path, name)
-            pieces.append(_convert(path, name, member.read(), dtype))
-    arr = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    arr = _read_parts(path, archive, infos, name, budget, shape if len(infos) == 1 else (None,) + shape[1:])
     if arr.shape != shape:
         raise RunFileError(f"{path}: corrupt run: {name} has shape {arr.shape}, expected {shape}")
     return arr
@@ -179,18 +171,24 @@ def _read_meta(path, archive, info, budget: Budget) -> dict:
 
 def _read_small(path, archive, infos, name: str, budget: Budget, shape: tuple) -> np.ndarray:
     """A per-step array (or steps / hist_steps), its parts joined; ``shape``: the total it must have."""
+    expect = None if not shape and len(infos) == 1 else shape if len(infos) == 1 else (None,)
+    arr = _read_parts(path, archive, infos, name, budget, expect)
+    if shape and arr.shape != shape:
+        raise RunFileError(f"{path}: corrupt run: {name} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def _read_parts(path, archive, infos, name: str, budget: Budget, expect) -> np.ndarray:
+    """The parts of array ``name`` joined along the first axis, each part's header checked against ``expect`` (a
+    shape, None in a dimension for any size, or None) and its bytes against the budget before it is read."""
     kinds, dtype, what = DTYPES[name]
     pieces = []
-    expect = None if not shape and len(infos) == 1 else shape if len(infos) == 1 else (None,)
     for k, info in enumerate(infos):
         budget.check(info.file_size, path, name)
         with npy_member(path, archive, info, _part(name, k, infos), kinds, what, expect) as member:
             budget.take(member.nbytes, path, name)
             pieces.append(_convert(path, name, member.read(), dtype))
-    arr = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    if shape and arr.shape != shape:
-        raise RunFileError(f"{path}: corrupt run: {name} has shape {arr.shape}, expected {shape}")
-    return arr
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def _part(name: str, k: int, infos) -> str:

@@ -146,3 +146,25 @@ def wandb_row(history_row, prefix, kind, name) -> np.ndarray:
 def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def run_docs_torchrun_script(tmp_path, script: str, **env_extra) -> None:
+    """Write the ```text block of docs/integrations.md that starts with ``# <script>`` into ``tmp_path`` and run it as
+    written under torchrun on 2 CPU ranks (a free loopback port, this checkout's ampviz first on the path)."""
+    import socket
+    import subprocess
+    import sys
+
+    import ampviz
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    (tmp_path / script).write_text(text.split(f"```text\n# {script}\n", 1)[1].split("\n```", 1)[0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(Path(ampviz.__file__).resolve().parents[1])
+    env = dict(os.environ, **env_extra, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), script],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
