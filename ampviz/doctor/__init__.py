@@ -21,7 +21,9 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
   (``Recorder(..., outputs=True)``) that overflow their dtype, or come within a factor 2 of it; a non-finite
   loss without recorded outputs;
 * ``init_scale_too_high`` (info), ``scale_collapse`` (error), ``frequent_skips`` (warning),
-  ``scale_unbounded`` (warning): GradScaler's trace, with replays of other scalers (``ampviz.replay``);
+  ``scale_unbounded`` (warning): the dynamic loss scaler's trace, a GradScaler's or DeepSpeed's fp16 one (read
+  with its own settings: ``growth_interval``, or ``scale_window`` and ``hysteresis``), with replays of other
+  scalers (``ampviz.replay``);
 * ``scaler_unused`` (error): the GradScaler given to the Recorder never stepped while it recorded, so the
   scale and skips recorded are not the loop's (the other scale checks are then not run);
 * ``ranks_disagree`` (error): DDP ranks whose scales or skips differ;
@@ -121,8 +123,11 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
              if facts.precision != "fp16" else "no gradient histograms recorded", facts.grad_rows),
             ("forward overflow" if outputs else "forward overflow (loss only)", True,
              "", facts.output_rows),
-            ("loss-scale health", facts.has_scaler and not facts.scaler_unused,
-             "the GradScaler given to the Recorder never stepped" if facts.scaler_unused else "no GradScaler", []),
+            ("loss-scale health", facts.dynamic_scaler and not facts.scaler_unused,
+             "the GradScaler given to the Recorder never stepped" if facts.scaler_unused else
+             "DeepSpeed's scaler settings (scale_window, min_loss_scale) are not in run.meta" if facts.loss_scaled
+             and not facts.has_scaler and (run.meta.get("deepspeed") or {}).get("dynamic_loss_scale") else
+             "no dynamic loss scaler (no GradScaler, no DeepSpeed fp16 dynamic scaler)", []),
             ("ranks agree", facts.n_ranks > 1, "one rank", []),
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
              "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),

@@ -109,6 +109,9 @@ class Facts:
     grad_rows, output_rows : tensor indices of gradient rows (weight, activation, weight_local) and of
         forward-output rows.
     weight_rows : tensor indices of the (reduced, as the optimizer sees them) weight-gradient rows.
+    loss_scaled : the backward ran multiplied by a loss scale (a GradScaler, DeepSpeed's fp16 scaler).
+    dynamic_scaler : that scale was a dynamic scaler's whose settings the run holds (``meta["scaler"]``, or
+        DeepSpeed's fp16 ``scale_window`` and ``min_loss_scale``): the scale checks read its trace.
     """
 
     def __init__(self, run: Run):
@@ -126,7 +129,14 @@ class Facts:
         # the backward ran multiplied by a loss scale: a GradScaler, or DeepSpeed's own fp16 scaler
         # (``ampviz.integrations.deepspeed``); then an overflow can be the scale's doing
         deepspeed = run.meta.get("deepspeed")
-        self.loss_scaled = self.has_scaler or (isinstance(deepspeed, dict) and deepspeed.get("dtype") == "fp16")
+        ds: dict = deepspeed if isinstance(deepspeed, dict) else {}
+        self.loss_scaled = self.has_scaler or ds.get("dtype") == "fp16"
+        # a scaler that backs off and grows, whose trace the scale checks read: GradScaler's, or DeepSpeed's
+        # DynamicLossScaler (its own settings, ``ampviz.replay.policy_from_run``)
+        # (a DeepSpeed run whose meta lacks the scaler's settings cannot be read as one)
+        self.dynamic_scaler = self.has_scaler or (ds.get("dtype") == "fp16" and bool(ds.get("dynamic_loss_scale"))
+                                                  and ds.get("scale_window") is not None
+                                                  and ds.get("min_loss_scale") is not None)
         if "torch.float16" in dtypes or (self.loss_scaled and "torch.bfloat16" not in dtypes):
             self.precision = "fp16"
         elif "torch.bfloat16" in dtypes:

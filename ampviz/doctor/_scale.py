@@ -1,10 +1,12 @@
 """Loss-scale health: a too-high init_scale, a collapsing scale, skips more frequent than the growth
 interval allows, a scale growing without bound, and ranks that disagree. Each finding quotes the steps and
 scales, and what replays of other scalers would have done over the recorded gradient trace
-(``ampviz.replay.replay``: a counterfactual)."""
+(``ampviz.replay.replay``: a counterfactual). The scaler is the run's own, read by ``policy_from_run``: a
+GradScaler (``growth_interval``), or DeepSpeed's fp16 DynamicLossScaler (``scale_window``, ``hysteresis``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -34,7 +36,13 @@ class _Scales:
         self.facts = facts
         self.skipped, self.scale, self.next = run.skipped[0], run.loss_scale[0], run.next_scale[0]
         self.cause = {e["step"]: e for e in causes if e["rank"] == run.ranks[0]}
-        self.policy = policy_from_run(run)
+        self.policy = policy = policy_from_run(run)
+        # DeepSpeed's scaler grows after scale_window clean steps and backs off only once its hysteresis is used up
+        self.deepspeed = isinstance(policy, DeepSpeedPolicy)
+        self.interval = int(policy.scale_window if isinstance(policy, DeepSpeedPolicy) else
+                            policy.growth_interval if isinstance(policy, TorchPolicy) else 0)
+        self.hysteresis = int(policy.hysteresis) if isinstance(policy, DeepSpeedPolicy) else 1
+        self.scaler_name = "DeepSpeed's loss scaler" if self.deepspeed else "GradScaler"
         runs = streaks(self.skipped)
         self.burst = self._backing_off(runs)
         after = self.burst[1] if self.burst else 0
@@ -110,19 +118,26 @@ class _Scales:
         return best_static_log2(self.trace, self.facts.grad_format)
 
     def alternatives(self, slower_growth: bool = True) -> dict:
-        """Other scalers to replay: as recorded, (growing 4x less often,) DeepSpeed, Megatron, best static."""
-        p = self.policy
-        g = p.growth_interval
-        alts: dict[str, Policy] = {f"PyTorch as recorded (growth_interval {g})": p}
-        if slower_growth:
-            alts[f"PyTorch, growth_interval {4 * g}"] = TorchPolicy(p.init_scale, p.growth_factor, p.backoff_factor,
-                                                                    4 * g)
-        alts.update({
-                f"DeepSpeed (hysteresis 2, scale_window {g})": DeepSpeedPolicy(
-                    init_scale=p.init_scale, scale_window=g, min_scale=min(1.0, p.init_scale),
-                    raise_error_at_min_scale=True),
-                f"Megatron (hysteresis 2, growth_interval {g})": MegatronPolicy(
-                    init_scale=p.init_scale, min_scale=min(1.0, p.init_scale), growth_interval=g)})
+        """Other scalers to replay: as recorded, (growing 4x less often,) PyTorch or DeepSpeed, Megatron, best
+        static."""
+        p, g = self.policy, self.interval
+        alts: dict[str, Policy] = {}
+        if isinstance(p, DeepSpeedPolicy):
+            alts[f"DeepSpeed as recorded (hysteresis {p.hysteresis}, scale_window {g})"] = p
+            if slower_growth:
+                alts[f"DeepSpeed, scale_window {4 * g}"] = dataclasses.replace(p, scale_window=4 * g)
+            if p.init_scale <= np.finfo(np.float32).max:
+                alts[f"PyTorch (growth_interval {g})"] = TorchPolicy(init_scale=p.init_scale, growth_interval=g)
+        elif isinstance(p, TorchPolicy):
+            alts[f"PyTorch as recorded (growth_interval {g})"] = p
+            if slower_growth:
+                alts[f"PyTorch, growth_interval {4 * g}"] = TorchPolicy(p.init_scale, p.growth_factor,
+                                                                        p.backoff_factor, 4 * g)
+            alts[f"DeepSpeed (hysteresis 2, scale_window {g})"] = DeepSpeedPolicy(
+                init_scale=p.init_scale, scale_window=g, min_scale=min(1.0, p.init_scale),
+                raise_error_at_min_scale=True)
+        alts[f"Megatron (hysteresis 2, growth_interval {g})"] = MegatronPolicy(
+            init_scale=p.init_scale, min_scale=min(1.0, p.init_scale), growth_interval=g)
         s = self.best_static()
         if s is not None:
             alts[f"static 2^{s}"] = StaticPolicy(init_scale=2.0 ** s)
@@ -143,8 +158,9 @@ _REPLAY_CAVEAT = ("Replays run other scalers over this run's recorded gradients:
 
 
 def scale_findings(facts: Facts, causes: list[dict]) -> list[dict]:
-    """Scale-health findings of rank 0's trace (none for a run without a GradScaler)."""
-    if not facts.has_scaler or facts.run.n_steps == 0:
+    """Scale-health findings of rank 0's trace (none for a run without a dynamic loss scaler: a GradScaler, or
+    DeepSpeed's fp16 one)."""
+    if not facts.dynamic_scaler or facts.run.n_steps == 0:
         return []
     if facts.scaler_unused:
         return [_unused_finding(facts)]
@@ -182,8 +198,7 @@ def _init_finding(sc: _Scales) -> dict:
     settled = float(sc.next[b - 1])
     skipped = np.flatnonzero(sc.skipped[a:b]) + a
     steps = run.steps[skipped].tolist()
-    rep = sc.replays({f"init_scale {scale_text(settled)}": TorchPolicy(settled, p.growth_factor, p.backoff_factor,
-                                                                       p.growth_interval)}, (a, b))
+    rep = sc.replays({f"init_scale {scale_text(settled)}": dataclasses.replace(p, init_scale=settled)}, (a, b))
     n = len(steps)
     which = (f"the first {n} step{'s were' if n > 1 else ' was'}" if n == b - a else
              f"{n} of the first {b - a} steps were")
@@ -195,19 +210,33 @@ def _init_finding(sc: _Scales) -> dict:
         details=[f"steps {steps_text(steps)} skipped, loss scale {scale_text(sc.scale[0])} -> {scale_text(settled)}"
                  + ("" if n == b - a else " (the steps between them passed at the scales on the way down)"),
                  *sc.clip_lines(skipped), *_replay_lines(rep, b - a), _REPLAY_CAVEAT],
-        recommendation=f"Harmless: GradScaler backs off on every overflow, so this costs {n} optimizer step"
-                       f"{'s' if n > 1 else ''} once. To avoid them, start lower: GradScaler(device, "
-                       f"init_scale={_python_number(settled)}). Don't mistake them for instability, and step the "
-                       f"LR scheduler only on steps that were not skipped.")
+        recommendation=f"Harmless: {_backs_off(sc)}, so this costs {n} optimizer step{'s' if n > 1 else ''} "
+                       f"once. To avoid them, start lower: {_start_lower(sc, settled)}. Don't mistake them for "
+                       f"instability, and step the LR scheduler only on steps that were not skipped.")
+
+
+def _backs_off(sc: _Scales) -> str:
+    if not sc.deepspeed or sc.hysteresis == 1:
+        return f"{sc.scaler_name} backs off on every overflow"
+    return (f"{sc.scaler_name} backs off on an overflow once its hysteresis ({sc.hysteresis}) is used up, "
+            f"the first {sc.hysteresis - 1} overflow{'s' if sc.hysteresis > 2 else ''} only skip")
+
+
+def _start_lower(sc: _Scales, settled: float) -> str:
+    if not sc.deepspeed:
+        return f"GradScaler(device, init_scale={_python_number(settled)})"
+    m, e = math.frexp(settled)
+    power = e - 1 if m == 0.5 else math.floor(math.log2(settled))
+    return f'"fp16": {{"initial_scale_power": {power}}} in the DeepSpeed config (2^{power})'
 
 
 _COLLAPSE_ADVICE = {
     "forward": "The forward pass overflows (see the forward_overflow finding): no loss scale fixes it, and "
-               "GradScaler halves the scale at every step. Run the overflowing op in bf16 or fp32.",
+               "the scaler halves the scale at every step. Run the overflowing op in bf16 or fp32.",
     "not the loss scale": "The gradients are non-finite at every scale (see the nonfinite_gradient finding for "
                           "the layer): fix that op; backing off only skips every step.",
     "loss scale": "The gradients grow faster than the scaler backs off: training is diverging. Lower the "
-                  "learning rate, clip gradients (after scaler.unscale_), check the data of those steps.",
+                  "learning rate, clip gradients (CLIP), check the data of those steps.",
     "unknown": "Nothing recorded says why these steps were non-finite: they have no histograms (record with "
                "every=1), or their inf tensors hold no finite value to measure against the format's edge, which is "
                "what a scale far above what the gradients allow does (try a lower init_scale: if the skips stop, "
@@ -244,14 +273,21 @@ def _collapse_finding(sc: _Scales, span: tuple[int, int]) -> dict:
         tensors=sorted(set(origins), key=origins.index),
         evidence={"skipped": n, "first_step": steps[0], "last_step": steps[-1], "scale_before": float(sc.scale[a]),
                   "lowest_scale": lowest, "ended_skipping": ended, "causes": tally, "replays": rep},
-        details=details, recommendation=_COLLAPSE_ADVICE[main])
+        details=details, recommendation=_COLLAPSE_ADVICE[main].replace("(CLIP)", _clip(sc)))
 
 
 def _frequent_finding(sc: _Scales):
-    run, g = sc.run, sc.policy.growth_interval
+    run, g, h = sc.run, sc.interval, sc.hysteresis
     counted = [p for p in np.flatnonzero(sc.skipped & sc.steady) if sc._by_scale(p)]
     n_steady = int(sc.steady.sum())
-    allowed = n_steady // (g + 1) + 1
+    # a growth probe costs one skip every g + 1 steps; DeepSpeed's, with its hysteresis refilled by the growth, up
+    # to h skips every g + 1 + h steps (the scale stays up until the last one backs it off)
+    period = g + 1 if h == 1 else g + 1 + h
+    allowed = h * (n_steady // period + 1)
+    probes = (f"GradScaler's growth probes explain {allowed} (one per growth_interval + 1 = {period} steps)"
+              if not sc.deepspeed else
+              f"DeepSpeed's growth probes explain {allowed} ({h} per scale_window + {period - g} = {period} steps"
+              f"{', hysteresis ' + str(h) if h > 1 else ''})")
     # a little slack: twice what the growth interval allows, and at least FREQUENT_MIN skips
     if len(counted) < FREQUENT_MIN or len(counted) <= 2 * allowed:
         return None
@@ -259,18 +295,21 @@ def _frequent_finding(sc: _Scales):
     rep = sc.replays(sc.alternatives(), sc.steady)          # skips on the same steps the finding counts
     return finding(
         "frequent_skips", "warning", f"{len(counted)} loss-scale overflows in {n_steady} steps after the start, where "
-        f"GradScaler's growth probes explain {allowed} (one per growth_interval + 1 = {g + 1} steps)",
-        steps=steps, ranks=[run.ranks[0]],
-        evidence={"skipped": len(counted), "steady_steps": n_steady, "growth_interval": g, "allowed": allowed,
-                  "replays": rep},
+        f"{probes}", steps=steps, ranks=[run.ranks[0]],
+        evidence={"skipped": len(counted), "steady_steps": n_steady,
+                  ("scale_window" if sc.deepspeed else "growth_interval"): g, "allowed": allowed, "replays": rep},
         details=[f"skipped steps: {steps_text(steps)}", *sc.clip_lines(counted)] + [
             f"replay, {k}: {v['skipped']} skipped on these {n_steady} steps" + (
                 f"; stops the run at step {v['crashed_at']}" if v["crashed_at"] is not None else "")
             for k, v in rep.items()] + [_REPLAY_CAVEAT],
         recommendation="Each skip discards a batch: the gradients' maximum jumps by more than the growth factor "
                        "between steps. A scaler that grows less often or one with hysteresis skips fewer (replays "
-                       "above); if the jumps are loss spikes, lower the learning rate or clip gradients after "
-                       "scaler.unscale_.")
+                       "above); if the jumps are loss spikes, lower the learning rate or clip gradients "
+                       f"{_clip(sc)}.")
+
+
+def _clip(sc: _Scales) -> str:
+    return '("gradient_clipping" in the DeepSpeed config)' if sc.deepspeed else "(after scaler.unscale_)"
 
 
 def _unbounded_finding(sc: _Scales):
@@ -282,7 +321,8 @@ def _unbounded_finding(sc: _Scales):
     grew = np.flatnonzero(run.grown[0]).tolist()
     finite = sc.trace[np.isfinite(sc.trace) & (sc.trace > 0)]
     largest = float(finite.max()) if finite.size else 0.0
-    capped = top * sc.policy.growth_factor > float(np.finfo(np.float32).max)
+    # GradScaler keeps its scale in float32 and stops growing below inf; DeepSpeed's is a Python float
+    capped = isinstance(sc.policy, TorchPolicy) and top * sc.policy.growth_factor > float(np.finfo(np.float32).max)
     details = [f"the scale grew at steps {steps_text(run.steps[grew].tolist())} to {scale_text(top)}"
                + (" (float32's cap: GradScaler grows no further)" if capped else ""),
                f"largest unscaled gradient of the run: {scale_text(largest) if largest else '0'}"]
@@ -292,7 +332,7 @@ def _unbounded_finding(sc: _Scales):
         evidence={"max_scale": top, "first_step_above": int(run.steps[first]), "largest_unscaled_gradient": largest,
                   "float32_cap": bool(capped)},
         details=details,
-        recommendation="The update itself is fine (GradScaler unscales in fp32), but gradients this small "
+        recommendation=f"The update itself is fine ({sc.scaler_name} unscales in fp32), but gradients this small "
                        "usually mean a vanishing loss or dead layers: check the loss and the layers' gradients. When "
                        "the gradients recover, the scale must back off from this height one skipped step per halving.")
 
@@ -341,7 +381,9 @@ def deepspeed_findings(facts: Facts) -> list[dict]:
                 details=[f"{n_min} of {run.n_steps} steps ran at the minimum scale; skipped among them: "
                          f"{steps_text(steps)}",
                          "with raise_error_at_min_scale (DeepSpeed's default) the next such overflow ends the run "
-                         "(\"Current loss scale already at minimum\"); without it every such step is skipped"],
+                         "(\"Current loss scale already at minimum\"); without it every such step is skipped"
+                         + (f" (raise_error_at_min_scale: {ds['raise_error_at_min_scale']})"
+                            if ds.get("raise_error_at_min_scale") is not None else "")],
                 recommendation="The gradients overflow fp16 even at the smallest scale allowed: this is not a "
                                "scaling problem. Lower min_loss_scale only if the overflows are rare spikes; otherwise "
                                "find the overflowing tensor (nonfinite_gradient), lower the learning rate or clip, "

@@ -40,9 +40,11 @@ It is an ``ampviz.Recorder`` on ``engine.module`` whose weight gradients and los
   ``cur_scale`` or ``loss_scale``: 1 under bf16, which has no loss scaling), read after each step; a step is
   skipped when ``engine.was_step_applied()`` is False after the optimizer stepped (DeepSpeed skips a step whose
   gradients are non-finite, under bf16 too, where the scale never moves). ``run.meta["deepspeed"]`` holds the
-  stage, dtype, ``gradient_accumulation_steps``, ``min_loss_scale``, ``hysteresis``, ``scale_window`` and the
-  engine's own ``skipped_steps`` at the end, which the doctor reads (silent skips of bf16 runs; a scale pinned at
-  ``min_loss_scale``).
+  stage, dtype, ``gradient_accumulation_steps``, the fp16 scaler's settings (``init_scale``: its scale when the
+  recording began; ``min_loss_scale``, ``hysteresis``, ``scale_window``, ``scale_factor``,
+  ``consecutive_hysteresis``, ``raise_error_at_min_scale``; ``scaler_start``: its counters then) and the engine's
+  own ``skipped_steps`` at the end. ``ampviz.replay.policy_from_run`` builds DeepSpeed's scaler from them, which the
+  doctor's scale findings judge the trace by (and silent skips of bf16 runs; a scale pinned at ``min_loss_scale``).
 
 ``rec.step(loss)`` may be called after every ``engine.step()``: a step is recorded only when the engine's
 optimizer really stepped (the gradient-accumulation boundary), with the mean of the losses given since the last
@@ -127,9 +129,11 @@ class _Engine:
         self.engine, self.stage = engine, stage
         self.rows = [(i, p) for i, (_, p) in enumerate(params)]
         self.stepped = 0                               # optimizer steps since the last recorded step
+        self.start: dict = {}
 
     # ------------------------------------------------------------------ the optimizer's step, wrapped
     def install(self, capture: Any) -> _StepWatch:
+        self.start = self._state()                     # where the scaler stood when the recording began
         return _StepWatch(self, capture)
 
     def take_stepped(self) -> bool:
@@ -197,6 +201,12 @@ class _Engine:
                 return float(value)
         return 1.0
 
+    def _state(self) -> dict:
+        """The scale and the counters of the dynamic scaler (a DynamicLossScaler, or ZeRO 0's loss_scale_config)."""
+        holder = self._scaler() or getattr(self.engine.optimizer, "loss_scale_config", None)
+        state = {name: getattr(holder, name, None) for name in ("cur_iter", "last_overflow_iter", "cur_hysteresis")}
+        return {"scale": self.scale(), **{k: None if v is None else int(v) for k, v in state.items()}}
+
     def skipped(self) -> bool:
         """The step just recorded was skipped by DeepSpeed (non-finite gradients)."""
         return not bool(self.engine.was_step_applied())
@@ -221,6 +231,10 @@ class _Engine:
             min_scale = read("min_loss_scale", opt, config)
         hysteresis = read("delayed_shift", scaler)
         window = read("scale_window", scaler, opt, config)
+        factor = read("scale_factor", scaler, config)
+        consecutive = read("consecutive_hysteresis", scaler)
+        # a DynamicLossScaler raises at the minimum by default; ZeRO 0's fp16 optimizers stay at the minimum
+        raises = read("raise_error_at_min_scale", scaler) if hysteresis is not None else (False if dynamic else None)
         import deepspeed
         return {"deepspeed": {
             "version": deepspeed.__version__, "stage": self.stage, "dtype": dtype,
@@ -232,6 +246,12 @@ class _Engine:
             # ZeRO 0's FP16_UnfusedOptimizer backs off on every overflow: no hysteresis
             "hysteresis": None if hysteresis is None else int(hysteresis),
             "scale_window": None if window is None else int(window),
+            "scale_factor": None if factor is None else float(factor),
+            "consecutive_hysteresis": None if consecutive is None else bool(consecutive),
+            "raise_error_at_min_scale": None if raises is None else bool(raises),
+            # the scale and the scaler's counters when the recording began (a replay starts from there)
+            "init_scale": self.start.get("scale"),
+            "scaler_start": {k: v for k, v in self.start.items() if k != "scale"},
             "skipped_steps": int(engine.skipped_steps)}}
 
 

@@ -3,7 +3,7 @@
     import ampviz
     from ampviz.replay import TorchPolicy, replay, trace_from_run, policy_from_run
     trace = trace_from_run(run, "fp16")              # (steps,) largest unscaled |gradient| per step
-    same = replay(policy_from_run(run), trace)       # reproduces the recorded scale trace
+    same = replay(policy_from_run(run), trace)       # reproduces the recorded scale trace (GradScaler, DeepSpeed fp16)
     what_if = replay(TorchPolicy(init_scale=2.0**10, growth_interval=50), trace)
 
 A replay is a counterfactual: in a real run a skipped step changes every later gradient, and a
@@ -33,7 +33,7 @@ import numpy as np
 from .. import histogram as H
 from ..formats import get_format
 from ..run import KINDS, SCALE_FREE, Run
-from .policies import TorchPolicy
+from .policies import DeepSpeedPolicy, StaticPolicy, TorchPolicy
 
 __all__ = ["trace_from_run", "policy_from_run", "TRACE_RULES"]
 
@@ -105,14 +105,53 @@ def _hist_maxima(run: Run, r: int, idx: list):
     return finite_max, nonfinite
 
 
-def policy_from_run(run: Run) -> TorchPolicy:
-    """The GradScaler settings a run was recorded with, as a TorchPolicy (for replays).
+def policy_from_run(run: Run) -> TorchPolicy | DeepSpeedPolicy | StaticPolicy:
+    """The loss scaler a run was recorded with, as a policy (for replays): its own settings, read, not assumed.
 
-    Raises ValueError for runs recorded without a GradScaler.
+    * a GradScaler (``run.meta["scaler"]``): a TorchPolicy;
+    * DeepSpeed's fp16 dynamic scaler (``run.meta["deepspeed"]``, ``ampviz.integrations.deepspeed``): a
+      DeepSpeedPolicy from the scale the recording began with, ``scale_window``, ``hysteresis`` (ZeRO 0's fp16
+      optimizers have none: 1), ``min_loss_scale``, ``consecutive_hysteresis`` and ``raise_error_at_min_scale``;
+      a DeepSpeed fp16 run with a static loss scale: a StaticPolicy.
+
+    A recording begun at a fresh scaler replays its scale trace exactly; one begun mid-training starts the
+    replay's window count and hysteresis afresh (``run.meta["deepspeed"]["scaler_start"]`` says where the scaler
+    stood).
+
+    Raises ValueError for a run without a loss scaler (no GradScaler; a bf16 or fp32 DeepSpeed run).
     """
     sc = run.meta.get("scaler")
-    if not sc:
-        raise ValueError("run: recorded without a GradScaler (meta['scaler'] is empty); "
-                         "choose a policy, e.g. ampviz.replay.TorchPolicy()")
-    return TorchPolicy(init_scale=float(sc["init_scale"]), growth_factor=float(sc["growth_factor"]),
-                       backoff_factor=float(sc["backoff_factor"]), growth_interval=int(sc["growth_interval"]))
+    if sc:
+        return TorchPolicy(init_scale=float(sc["init_scale"]), growth_factor=float(sc["growth_factor"]),
+                           backoff_factor=float(sc["backoff_factor"]), growth_interval=int(sc["growth_interval"]))
+    ds = run.meta.get("deepspeed")
+    if isinstance(ds, dict):
+        return _deepspeed_policy(run, ds)
+    raise ValueError("run: recorded without a GradScaler (meta['scaler'] is empty); "
+                     "choose a policy, e.g. ampviz.replay.TorchPolicy()")
+
+
+def _deepspeed_policy(run: Run, ds: dict) -> DeepSpeedPolicy | StaticPolicy:
+    if ds.get("dtype") != "fp16":
+        raise ValueError(f"run: a DeepSpeed {ds.get('dtype')} run has no loss scale (DeepSpeed scales only fp16 "
+                         f"losses): there is no scaler to replay; choose a policy, e.g. "
+                         f"ampviz.replay.DeepSpeedPolicy()")
+    init = ds.get("init_scale")
+    if init is None:                 # a file from before init_scale was recorded: the first step's scale
+        if run.n_steps == 0:
+            raise ValueError("run: a DeepSpeed fp16 run with no step and no init_scale recorded: nothing to replay")
+        init = float(run.loss_scale[0, 0])
+    if not ds.get("dynamic_loss_scale"):
+        return StaticPolicy(init_scale=float(init))
+    missing = [k for k in ("scale_window", "min_loss_scale") if ds.get(k) is None]
+    if missing:
+        raise ValueError(f"run: meta['deepspeed'] lacks the scaler's {' and '.join(missing)}: cannot replay its "
+                         f"scaler; choose a policy, e.g. ampviz.replay.DeepSpeedPolicy()")
+    hysteresis = ds.get("hysteresis")
+    return DeepSpeedPolicy(
+        init_scale=float(init), scale_factor=float(ds.get("scale_factor") or 2.0),
+        scale_window=int(ds["scale_window"]), min_scale=float(ds["min_loss_scale"]),
+        hysteresis=1 if hysteresis is None else int(hysteresis),      # ZeRO 0's fp16 optimizers: none
+        consecutive_hysteresis=bool(ds.get("consecutive_hysteresis")),
+        # a file from before it was recorded: DeepSpeed's default where there is hysteresis
+        raise_error_at_min_scale=bool(ds.get("raise_error_at_min_scale", hysteresis is not None)))

@@ -43,13 +43,15 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
     from ampviz.integrations.deepspeed import Recorder
-    dtype, inf_at = case["dtype"], case.get("inf_at")
+    dtype, steps = case["dtype"], case.get("steps", STEPS)
+    inf_at = case.get("inf_at", [])
+    inf_at = inf_at if isinstance(inf_at, list) else [inf_at]          # the steps with a planted overflow
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config(case))
     half = torch.bfloat16 if dtype == "bf16" else torch.float16
     g = torch.Generator().manual_seed(100 + rank)                  # each rank its own data
-    oracle, scales, applied, skipped = [], [], [], []
+    oracle, scales, applied, skipped, used = [], [], [], [], []
     options = {"activations": True, **case.get("options", {})}
     # a user's LR scheduler, stepped outside the engine after every engine step (a constant factor: the weights are
     # those of the run without it); the Recorder watches it
@@ -67,16 +69,17 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
     if rec is not None:
         rec.__enter__()
     try:
-        for step in range(STEPS):
+        for step in range(steps):
             for micro in range(ACCUM):
                 x, y = torch.randn(BATCH, 12, generator=g).to(half), torch.randint(0, 5, (BATCH,), generator=g)
                 loss = F.cross_entropy(engine(x).float(), y)
-                if inf_at == step and micro == 0 and rank == 0:
+                if step in inf_at and micro == 0 and rank == 0:
                     loss = loss * float("inf")                    # a planted overflow on one rank
                 boundary = engine.is_gradient_accumulation_boundary()
                 engine.backward(loss)
                 if boundary:
                     scale = float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 1)))
+                    used.append(scale)                            # the scale this step's backward used
                     full = [safe_get_full_grad(p) for p in engine.module.parameters()]   # collective: every rank
                     oracle.append([H.histogram(t.float() / scale).numpy() for t in full])
                 engine.step()
@@ -93,7 +96,7 @@ def train(case: dict, rank: int, out_dir: str, record: bool) -> dict:
         caught.__exit__(None, None, None)
     restored = "step" not in vars(engine.optimizer)                  # the wrapper is gone after the recording
     weights = [p.detach().float().clone() for p in _full_params(engine)]
-    return {"oracle": np.asarray(oracle), "scales": scales, "applied": applied, "skipped": skipped,
+    return {"oracle": np.asarray(oracle), "scales": scales, "used": used, "applied": applied, "skipped": skipped,
             "weights": weights, "names": [n for n, _ in engine.module.named_parameters()],
             "optimizer": type(engine.optimizer).__name__, "step_restored": restored,
             "warnings": [str(w.message) for w in seen if "ampviz" in type(w.message).__module__]}
@@ -121,7 +124,8 @@ def run(rank, world, port, out_dir, cases):
             same = all(torch.equal(a, b) for a, b in zip(plain["weights"], recorded["weights"]))
             np.save(os.path.join(out_dir, f"{case['name']}.oracle{rank}.npy"), recorded["oracle"])
             with open(os.path.join(out_dir, f"{case['name']}.rank{rank}.json"), "w") as f:
-                json.dump({"bit_identical": same, "scales": recorded["scales"], "applied": recorded["applied"],
+                json.dump({"bit_identical": same, "scales": recorded["scales"], "used": recorded["used"],
+                           "applied": recorded["applied"],
                            "skipped": recorded["skipped"], "names": recorded["names"],
                            "optimizer": recorded["optimizer"], "step_restored": recorded["step_restored"],
                            "warnings": recorded["warnings"],

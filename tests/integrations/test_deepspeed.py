@@ -6,8 +6,11 @@ ZeRO 0, 1, 2 and 3 in bf16, each trained with and without the Recorder (tests/in
 * training is bit-identical with and without the Recorder;
 * the loss scale and the skipped steps recorded are the ones the engine reports; a planted overflow in a bf16 run
   is skipped by DeepSpeed and found by the doctor (``silent_skips``);
-* fp16 engines (where DeepSpeed's CPU accelerator supports fp16): ZeRO 2 exact after unscaling, a scale pinned
-  at ``min_loss_scale`` found by the doctor, ZeRO 0's immediate back-off recorded as the engine reports it.
+* fp16 engines (where DeepSpeed's CPU accelerator supports fp16: avx512_fp16 / AMX-FP16): ZeRO 2 exact after
+  unscaling, a scale pinned at ``min_loss_scale`` found by the doctor; ZeRO 0 to 3 with planted overflows that use
+  up the hysteresis, back off and grow back: recorded as the engine reports it and replayed exactly by
+  ``replay(policy_from_run(run), trace_from_run(run))``; a too-high init scale read by the doctor as the scale's,
+  with DeepSpeed's own settings (also through ``ampviz doctor``), and a clean fp16 run with no scale finding.
 
 One spawn runs every case (DeepSpeed's first start JIT-builds its shm comm op once: about 40 s; then about 20 s).
 """
@@ -22,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 import ampviz
+import ampviz.histogram as H
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -46,7 +50,17 @@ FP16_MIN = {"name": "fp16_zero2_min", "stage": 2, "dtype": "fp16", "inf_at": 1,
 # fp16 from 2**20 without hysteresis: the first steps overflow because of the scale, which halves each time
 FP16_HIGH = {"name": "fp16_zero2_high", "stage": 2, "dtype": "fp16",
              "fp16": {"initial_scale_power": 20, "hysteresis": 1}}
-FP16_ZERO0 = {"name": "fp16_zero0", "stage": 0, "dtype": "fp16", "inf_at": 1}
+# fp16 on every ZeRO stage, 8 steps from 2**8 with overflows planted at steps 1, 2 and 6: the first overflow uses up
+# the hysteresis (2) and the second backs off; after 2 clean steps past the one after it the scale grows back (the
+# growth refills the hysteresis, which step 6 uses up again). ZeRO 0's FP16_UnfusedOptimizer has no hysteresis.
+HYST_AT, HYST_STEPS = [1, 2, 6], 8
+FP16_HYST = [{"name": f"fp16_zero{s}_hyst", "stage": s, "dtype": "fp16", "steps": HYST_STEPS, "inf_at": HYST_AT}
+             for s in (0, 1, 2, 3)]
+# fp16 from 2**20 with hysteresis 2: the scale's own overflows at the start, then a growth probe
+FP16_HIGH_HYST = {"name": "fp16_zero1_high", "stage": 1, "dtype": "fp16", "steps": HYST_STEPS,
+                  "fp16": {"initial_scale_power": 20}}
+# fp16 with nothing planted: the scale grows every 3 steps and never overflows
+FP16_CLEAN = {"name": "fp16_zero2_clean", "stage": 2, "dtype": "fp16", "steps": HYST_STEPS}
 
 
 def _fp16_on_cpu() -> bool:
@@ -66,7 +80,7 @@ def runs(tmp_path_factory):
     import _deepspeed_worker
     out = tmp_path_factory.mktemp("deepspeed")
     cases = BF16 + BUCKETS + [EVERY, BF16_FP32_ACCUM, BF16_INF, UNREADABLE]
-    cases += [FP16_MIN, FP16_HIGH, FP16_ZERO0] if FP16 else []
+    cases += [FP16_MIN, FP16_HIGH, *FP16_HYST, FP16_HIGH_HYST, FP16_CLEAN] if FP16 else []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -85,6 +99,7 @@ def runs(tmp_path_factory):
         engine = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
         oracle = [np.load(out / f"{name}.oracle{r}.npy") for r in (0, 1)]
         return run, engine, oracle
+    load.dir = out                                         # where the runs were saved
     return load
 
 
@@ -94,7 +109,7 @@ def check_exact(run, engine, oracle, stage):
     w = run.tensors_of("weight")
     assert run.ranks == [0, 1] and [run.tensor_names[t] for t in w] == names == engine[0]["names"]
     np.testing.assert_array_equal(oracle[0], oracle[1])                 # the oracle is the same on both ranks
-    assert run.hist_steps.tolist() == list(range(_deepspeed_worker.STEPS))
+    assert run.hist_steps.tolist() == list(range(len(engine[0]["scales"])))
     counts = run.counts[:, :, w]                                         # (ranks, steps, params, bins)
     sizes = [p.numel() for p in _deepspeed_worker.model().parameters()]
     if stage == 0:                                                       # all-reduced .grad: the full one everywhere
@@ -115,6 +130,7 @@ def check_exact(run, engine, oracle, stage):
     for r in (0, 1):
         assert engine[r]["bit_identical"] and engine[r]["step_restored"] and engine[r]["warnings"] == []
         assert run.next_scale[r].tolist() == engine[r]["scales"]
+        assert run.loss_scale[r].tolist() == engine[r]["used"]             # the scale each step's backward used
         assert run.skipped[r].tolist() == [not a for a in engine[r]["applied"]]
         assert engine[r]["plain"] == {k: engine[r][k] for k in ("scales", "applied", "skipped")}
     assert run.meta["deepspeed"]["skipped_steps"] == engine[0]["skipped"][-1]
@@ -227,11 +243,123 @@ def test_fp16_overflows_of_a_too_high_scale_are_the_scales_not_the_models(runs):
 @pytest.mark.slow
 @needs_fp16
 def test_fp16_zero0_backs_off_at_once_as_the_engine_reports(runs):
-    run, engine, oracle = runs("fp16_zero0")
+    run, engine, oracle = runs("fp16_zero0_hyst")
     check_exact(run, engine, oracle, 0)
     assert run.meta["deepspeed"]["optimizer"] == "FP16_UnfusedOptimizer"
     assert engine[0]["scales"][:2] == [256.0, 128.0]                     # no hysteresis in ZeRO 0's fp16 optimizer
     assert run.loss_scale[0].tolist()[:3] == [256.0, 256.0, 128.0]
+
+
+# fp16 scale traces of the FP16_HYST runs, written out from DeepSpeed 0.19.8's update rules: the scale each step used
+HYST_SKIPPED = [s in HYST_AT for s in range(HYST_STEPS)]
+HYST_USED = {"unfused": [256.0, 256.0, 128.0, 64.0, 64.0, 64.0, 128.0, 64.0],            # every overflow backs off
+             "dynamic": [256.0, 256.0, 256.0, 128.0, 128.0, 128.0, 256.0, 256.0]}         # hysteresis 2 first
+
+
+def check_replay(run):
+    """``replay(policy_from_run(run), trace_from_run(run))`` reproduces rank 0's scale trace and skips exactly."""
+    from ampviz.replay import DeepSpeedPolicy, policy_from_run, replay, trace_from_run
+    policy = policy_from_run(run)
+    assert isinstance(policy, DeepSpeedPolicy)
+    again = replay(policy, trace_from_run(run, "fp16"))
+    assert again.scale.tolist() == run.loss_scale[0].tolist()
+    assert again.skipped.tolist() == run.skipped[0].tolist() and again.crashed_at is None
+    return policy, again
+
+
+@pytest.mark.slow
+@needs_fp16
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_hysteresis_is_recorded_as_the_engine_scaled_and_replayed_exactly(runs, stage):
+    import dataclasses
+
+    from ampviz.replay import replay, trace_from_run
+    run, engine, oracle = runs(f"fp16_zero{stage}_hyst")
+    check_exact(run, engine, oracle, stage)            # next_scale, loss_scale, skips: as the engine reported them
+    used = HYST_USED["unfused" if stage == 0 else "dynamic"]
+    assert engine[0]["used"] == used and engine[0]["applied"] == [not s for s in HYST_SKIPPED]
+    assert run.loss_scale.tolist() == [used] * 2 and run.skipped.tolist() == [HYST_SKIPPED] * 2
+    assert engine[0]["skipped"][-1] == run.meta["deepspeed"]["skipped_steps"] == 3
+    policy, _ = check_replay(run)
+    ds = run.meta["deepspeed"]
+    assert (policy.init_scale, policy.scale_window, policy.min_scale) == (256.0, 2, 1.0) == (
+        ds["init_scale"], ds["scale_window"], ds["min_loss_scale"])
+    if stage == 0:                                     # FP16_UnfusedOptimizer: no hysteresis, floors at the minimum
+        assert ds["hysteresis"] is None and (policy.hysteresis, policy.raise_error_at_min_scale) == (1, False)
+    else:                                              # DynamicLossScaler
+        assert (policy.hysteresis, policy.consecutive_hysteresis, policy.raise_error_at_min_scale) == (2, False, True)
+        assert ds["scaler_start"] == {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 2}
+        # the replay reads the hysteresis: without it, the first overflow would back off at once
+        assert replay(dataclasses.replace(policy, hysteresis=1), trace_from_run(run)).scale.tolist() != used
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_a_too_high_init_scale_with_hysteresis_is_the_scales_doing_and_the_doctor_says_so(runs):
+    run, engine, oracle = runs("fp16_zero1_high")
+    check_exact(run, engine, oracle, 1)
+    policy, _ = check_replay(run)
+    assert (policy.init_scale, policy.hysteresis, policy.scale_window) == (2.0 ** 20, 2, 2)
+    skipped = run.skipped[0]
+    assert skipped[:2].all() and run.loss_scale[0, 1] == 2.0 ** 20          # the first overflow only used hysteresis
+    report = run.diagnose()
+    checks = [f["check"] for f in report["findings"]]
+    init = [f for f in report["findings"] if f["check"] == "init_scale_too_high"]
+    assert len(init) == 1 and init[0]["severity"] == "info", checks
+    start = int(np.argmin(skipped))                                        # the first step that passed
+    assert init[0]["steps"] == list(range(start)) and init[0]["evidence"]["init_scale"] == 2.0 ** 20
+    assert init[0]["evidence"]["settled_scale"] == run.next_scale[0, start - 1]
+    assert '"initial_scale_power"' in init[0]["recommendation"] and "hysteresis (2)" in init[0]["recommendation"]
+    assert "DeepSpeed as recorded (hysteresis 2, scale_window 2)" not in str(init[0])   # replays the settled scale
+    # nothing blames the model, and no error
+    # (a rank whose own part of the gradients stayed finite cannot tell why: "unknown", never the model)
+    causes = report["nonfinite_steps"]
+    assert {e["cause"] for e in causes} == {"loss scale", "unknown"}
+    for step in run.steps[skipped].tolist():
+        assert any(e["cause"] == "loss scale" for e in causes if e["step"] == step)
+    assert not {"nonfinite_gradient", "scale_collapse", "silent_skips", "scale_at_minimum"} & set(checks)
+    assert not any(f["severity"] == "error" for f in report["findings"])
+    health = next(c for c in report["checks"] if c["check"] == "loss-scale health")
+    assert health["ran"]
+    # the command line, on the saved run
+    from ampviz.cli import main
+    assert main(["doctor", str(runs.dir / "fp16_zero1_high")]) == 0
+
+
+@pytest.mark.slow
+@needs_fp16
+def test_fp16_a_clean_run_replays_exactly_and_gets_no_scale_finding(runs, capsys):
+    run, engine, oracle = runs("fp16_zero2_clean")
+    check_exact(run, engine, oracle, 2)
+    assert not run.skipped.any() and run.next_scale[0, -1] > run.loss_scale[0, 0]       # the scale grew
+    check_replay(run)
+    report = run.diagnose()
+    assert not any(f["severity"] == "error" for f in report["findings"]), report["findings"]
+    assert not {f["check"] for f in report["findings"]} & {
+        "init_scale_too_high", "scale_collapse", "frequent_skips", "scale_unbounded", "scale_at_minimum"}
+    assert next(c for c in report["checks"] if c["check"] == "loss-scale health")["ran"]
+    from ampviz.cli import main
+    assert main(["doctor", str(runs.dir / "fp16_zero2_clean")]) == 0
+    out = capsys.readouterr().out
+    assert "fp16_zero2_clean" in out
+
+
+def test_policy_from_run_reads_deepspeeds_scaler_and_refuses_bf16():
+    """No ranks: a run's meta as the Recorder writes it (the real runs above check it against the engine)."""
+    from ampviz.replay import DeepSpeedPolicy, StaticPolicy, policy_from_run
+    one = np.ones((1, 3))
+    ds = {"stage": 2, "dtype": "fp16", "dynamic_loss_scale": True, "min_loss_scale": 4.0, "hysteresis": 3,
+          "scale_window": 5, "scale_factor": 2.0, "consecutive_hysteresis": True, "raise_error_at_min_scale": False,
+          "init_scale": 512.0}
+    run = ampviz.Run(np.arange(3), one, one * 512, one * 512, one < 0, np.arange(0), np.zeros((1, 0, 0, H.NBINS), int),
+                     [], [], [], {"ranks": [0], "deepspeed": ds})
+    assert policy_from_run(run) == DeepSpeedPolicy(init_scale=512.0, scale_window=5, min_scale=4.0, hysteresis=3,
+                                                   consecutive_hysteresis=True, raise_error_at_min_scale=False)
+    ds.update(dynamic_loss_scale=False)
+    assert policy_from_run(run) == StaticPolicy(init_scale=512.0)
+    ds.update(dtype="bf16")
+    with pytest.raises(ValueError, match="a DeepSpeed bf16 run has no loss scale"):
+        policy_from_run(run)
 
 
 # ---------------------------------------------------------------------------------------- without ranks
