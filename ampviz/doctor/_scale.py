@@ -218,8 +218,9 @@ def _init_finding(sc: _Scales) -> dict:
 def _backs_off(sc: _Scales) -> str:
     if not sc.deepspeed or sc.hysteresis == 1:
         return f"{sc.scaler_name} backs off on every overflow"
-    return (f"{sc.scaler_name} backs off on an overflow once its hysteresis ({sc.hysteresis}) is used up, "
-            f"the first {sc.hysteresis - 1} overflow{'s' if sc.hysteresis > 2 else ''} only skip")
+    h = sc.hysteresis
+    first = "its first overflow only skips" if h == 2 else f"its first {h - 1} overflows only skip"
+    return f"{sc.scaler_name} backs off on an overflow once its hysteresis ({sc.hysteresis}) is used up ({first})"
 
 
 def _start_lower(sc: _Scales, settled: float) -> str:
