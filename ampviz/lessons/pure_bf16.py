@@ -13,13 +13,14 @@ non-zero but whose weight did not move (stalled), that did not move with a zero 
                                                                            ("fp32 master", False))}
     stall_figure({name: update_shares(run) for name, run in runs.items()})
 
-Used by lesson 07 (master weights), section 4; ``tests/lessons/test_pure_bf16.py`` runs it over seeds.
+Used by lessons 07 (master weights, section 4); ``tests/lessons/test_pure_bf16.py`` runs it over seeds.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import plotly.graph_objects as go
 import torch
 import torch.nn as nn
@@ -28,11 +29,12 @@ from plotly.subplots import make_subplots
 
 import ampviz
 
+from .. import histogram as H
 from ..plots.style import OKABE_ITO, REGION_COLORS, ZERO_COLOR, base_layout, percent
 from .data import Split
 
-__all__ = ["norm_net", "train_recorded", "update_shares", "moved_elements", "compare", "stall_figure", "OUTCOMES",
-           "LR"]
+__all__ = ["norm_net", "train_recorded", "update_shares", "moved_elements", "largest_rel_step", "compare",
+           "stall_figure", "OUTCOMES", "LR"]
 
 LR = 1e-4                      # Adam's step is about lr: far below half a bf16 ulp of a weight near 1 (2**-9)
 
@@ -53,7 +55,7 @@ def norm_net(seed: int = 0, d_in: int = 64, width: int = 64, d_out: int = 10) ->
 
 
 def train_recorded(data: Split, pure: bool, seed: int = 0, lr: float = LR, steps: int = 200, updates: int = 5,
-                   batch_size: int = 64) -> tuple[ampviz.Run, nn.Module]:
+                   batch_size: int = 64) -> tuple[ampviz.Run, nn.Module, torch.optim.Adam]:
     """Train :func:`norm_net` with Adam for ``steps`` steps under ``ampviz.Recorder(model, opt, updates=updates)``.
 
     Parameters
@@ -66,7 +68,7 @@ def train_recorded(data: Split, pure: bool, seed: int = 0, lr: float = LR, steps
 
     Returns
     -------
-    (run, model): the recorded ``ampviz.Run`` and the trained model.
+    (run, model, optimizer): the recorded ``ampviz.Run``, the trained model and its Adam optimizer.
     """
     device = data.x_train.device
     model = norm_net(seed).to(device)
@@ -85,7 +87,7 @@ def train_recorded(data: Split, pure: bool, seed: int = 0, lr: float = LR, steps
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec.step(loss)
-    return rec.run, model
+    return rec.run, model, opt
 
 
 OUTCOMES = ("stalled", "still, zero gradient", "moved")     # the three fates of a stepped element
@@ -117,6 +119,15 @@ def moved_elements(run: ampviz.Run, name: str) -> int:
     return int(run.update_counts[:, :, j, 1:].sum())
 
 
+def largest_rel_step(run: ampviz.Run, name: str) -> float:
+    """An upper bound on ``|dw| / |w|`` over the measured steps of parameter ``name``: the top edge of the highest
+    non-empty binade of ``run.update_rel_counts`` (0.0 when nothing moved)."""
+    j = [run.tensor_names[t] for t in run.tensors_of("weight")].index(name)
+    counts = run.update_rel_counts[:, :, j].sum(axis=(0, 1))        # (bins,) binade k + column(0): (2**k, 2**(k+1)]
+    moved = np.nonzero(counts[1:H.NAN])[0]
+    return 0.0 if moved.size == 0 else 2.0 ** (int(moved.max()) + 1 - H.column(0) + 1)
+
+
 def compare(data: Split, seed: int = 0, lr: float = LR, steps: int = 200, updates: int = 5) -> dict:
     """Both runs of :func:`train_recorded` (same seed) and what lesson 07 asserts about them.
 
@@ -125,16 +136,22 @@ def compare(data: Split, seed: int = 0, lr: float = LR, steps: int = 200, update
     dict: ``runs`` and ``models`` (``{"pure bf16": ..., "fp32 master": ...}``), ``shares`` (per run,
     :func:`update_shares`), ``reports`` (per run, ``run.diagnose()``), ``norm_moved`` (per run, norm-weight elements
     that moved, from the recording), ``norm_drift`` (per run, the largest ``|w - 1|`` of the trained norm weights, read
-    from the model) and ``measured_steps``.
+    from the model), ``largest_rel_step`` (per run, :func:`largest_rel_step` of the norm weights), ``dtypes`` (per run,
+    the dtypes of the parameters and of Adam's state) and ``measured_steps``.
     """
-    out: dict = {k: {} for k in ("runs", "models", "shares", "reports", "norm_moved", "norm_drift")}
+    out: dict = {k: {} for k in ("runs", "models", "shares", "reports", "norm_moved", "norm_drift", "largest_rel_step",
+                                 "dtypes")}
     for name, pure in (("pure bf16", True), ("fp32 master", False)):
-        run, model = train_recorded(data, pure, seed=seed, lr=lr, steps=steps, updates=updates)
+        run, model, opt = train_recorded(data, pure, seed=seed, lr=lr, steps=steps, updates=updates)
         out["runs"][name], out["models"][name] = run, model
         out["shares"][name] = update_shares(run)
         out["reports"][name] = run.diagnose()
         out["norm_moved"][name] = moved_elements(run, "norm.weight")
         out["norm_drift"][name] = (model.norm.weight.detach().float() - 1).abs().max().item()
+        out["largest_rel_step"][name] = largest_rel_step(run, "norm.weight")
+        state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]     # exp_avg, exp_avg_sq
+        out["dtypes"][name] = {"parameters": {str(p.dtype) for p in model.parameters()},
+                               "Adam's state": {str(t.dtype) for t in state}}
     out["measured_steps"] = len(run.update_steps)
     return out
 
