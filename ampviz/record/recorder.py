@@ -69,6 +69,7 @@ import torch.nn as nn
 from .._args import check_int
 from .._warnings import warn
 from ..run import Run
+from ._blocks import linear_modules
 from ._checks import model_changes
 from ._recording import Outcome, _Recording
 from ._select import (
@@ -175,6 +176,7 @@ class Recorder:
         self._compiled_anywhere = False                   # some watched module runs compiled (set by _modules_for)
         self._activations = self._modules_for(activations, "activations")
         self._outputs = self._modules_for(outputs, "outputs")
+        self._blocks = self._block_modules(opts.blocks)
         # a module added later would have been chosen: only for the default choice, outside torch.compile
         self._watch_added_modules = (activations is True or outputs is True) and not self._compiled_anywhere
         self._local = opts.local_weights
@@ -258,6 +260,20 @@ class Recorder:
                  f"graph breaks and change training, so {argname} are not recorded for {len(hit)} modules "
                  f"(weight gradients still are); pass {argname}=False to say so")
         return [(n, m) for n, m in chosen if id(m) not in inside]
+
+    def _block_modules(self, spec: Any) -> list[tuple[str, nn.Module]]:
+        """The ``nn.Linear`` modules whose block statistics ``blocks=`` records (none when it is off)."""
+        if spec is None:
+            return []
+        chosen = select(linear_modules(self.model, named_modules(self.model)), spec.modules, "blocks: modules",
+                        default=lambda name, module: True)
+        inside = {id(m) for m in self.model.modules()} if self._compiled else compiled_modules(self.model)
+        hit = [n for n, m in chosen if id(m) in inside]
+        if hit:
+            raise ValueError(f"blocks: {len(hit)} chosen modules run inside torch.compile ({', '.join(hit[:3])}); a "
+                             f"hook on them would add graph breaks and change the compiled training. Record the "
+                             f"model without torch.compile, or pass blocks=False")
+        return chosen
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Recorder:
