@@ -129,7 +129,10 @@ def _layout(spec) -> BlockLayout:
         return known
     if type(rows) is not int or not (cols is None or type(cols) is int):
         raise ValueError(f"blocks.layouts: {show(spec)}: block_rows and block_cols must be integers")
-    return BlockLayout(name, rows, cols)                   # its checks raise ValueError
+    try:
+        return BlockLayout(name, rows, cols)
+    except ValueError as e:
+        raise ValueError(f"blocks.layouts: {show(spec)}: {e}") from None
 
 
 def block_problems(blocks: RunBlocks | None, n_ranks: int, run_steps: np.ndarray) -> list[str]:
