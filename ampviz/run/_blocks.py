@@ -53,12 +53,10 @@ class RunBlocks:
         ``meta`` is malformed (the shapes and values are :func:`block_problems`')."""
         if not isinstance(meta, dict):
             raise ValueError(f"blocks: expected a dict of every, modules, kinds, layouts, got {show(meta)}")
-        every, modules, kinds, layouts = (meta.get(k) for k in ("every", "modules", "kinds", "layouts"))
+        every = meta.get("every")
         if type(every) is not int or every < 1:
             raise ValueError(f"blocks.every: expected an integer >= 1, got {show(every)}")
-        for name, value in (("modules", modules), ("kinds", kinds), ("layouts", layouts)):
-            if not isinstance(value, list):
-                raise ValueError(f"blocks.{name}: expected a list, got {show(value)}")
+        modules, kinds, layouts = (_list(meta, k) for k in ("modules", "kinds", "layouts"))
         return cls(steps, counts, sumsq, modules, kinds, [_layout(x) for x in layouts], every)
 
     def meta(self) -> dict:
@@ -118,6 +116,13 @@ def block_counts_of(blocks: RunBlocks, ranks: list, module, kind, layout, step=N
     counts = blocks.counts[r][:, pos, t, j].sum(axis=(0, 1), dtype=np.int64)          # (N_COUNTS,)
     sumsq = blocks.sumsq[r][:, pos, t, j].sum(axis=(0, 1), dtype=np.float64)
     return BlockCounts(torch.from_numpy(counts), torch.from_numpy(sumsq), blocks.layouts[j])
+
+
+def _list(meta: dict, name: str) -> list:
+    value = meta.get(name)
+    if not isinstance(value, list):
+        raise ValueError(f"blocks.{name}: expected a list, got {show(value)}")
+    return value
 
 
 def _layout(spec) -> BlockLayout:
