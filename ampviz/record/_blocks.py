@@ -13,7 +13,10 @@ reduction dimension of the GEMM that consumes it:
 Input and weight are counted as the GEMM receives them: under autocast, cast to its dtype (a copy; the
 module's tensors are only read). The other blockings of the backward (``W`` down its columns for ``dX``, ``g``
 and ``X`` down the tokens for ``dW``) are not recorded. A dimension that is not a multiple of the block is
-counted as zero-padded (``pad=True``: the padding is not counted). Micro-batches of one step add up. Counts stay
+counted as zero-padded (``pad=True``: the padding is not counted). Micro-batches of one step add up. A weight
+FSDP2 has sharded again by the time the forward hook runs is counted as this rank's shard (the ranks' counts add up
+to the whole weight's, as with the gradient histograms). Counting makes ``block_counts``' temporaries, one tensor at
+a time, on the steps due only. Counts stay
 on the device in one row per step, ``(T, L, N_COUNTS)``, copied to the host every ``_FLUSH_ROWS`` rows or when the
 Recorder flushes (saves, ``rec.run``, exit)::
 
@@ -161,6 +164,8 @@ class BlockCapture:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             self._add(row, as_gemm_operand(x))
         w = getattr(module, "weight", None)
+        if hasattr(w, "to_local"):                         # FSDP2 resharded it already (a DTensor): this rank's shard
+            w = w.to_local()
         if i not in self.weights_done and isinstance(w, torch.Tensor) and w.is_floating_point():
             self.weights_done.add(i)
             self._add(row + 1, as_gemm_operand(w))

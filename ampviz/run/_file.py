@@ -2,8 +2,9 @@
 
 Entries: ``meta`` (a 0-d unicode array holding JSON: magic "ampviz-run", schema version, rank,
 tensor names/kinds/dtypes, recorder settings), the arrays in ``ARRAYS`` and, when recorded, those in
-``OPTIONAL_ARRAYS``. An array may be stored in parts, ``<name>.npy`` then ``<name>.1.npy``,
-``<name>.2.npy`` ... joined along the first axis: what a recorder's periodic saves append
+``OPTIONAL_ARRAYS``, ``UPDATE_ARRAYS`` and ``BLOCK_ARRAYS`` (with ``meta["blocks"]``; an older ampviz leaves
+members it does not know out, so it still reads the rest). An array may be stored in parts, ``<name>.npy`` then
+``<name>.1.npy``, ``<name>.2.npy`` ... joined along the first axis: what a recorder's periodic saves append
 (``ampviz._runappend``; such a file says schema 2, so an older ampviz refuses it instead of reading
 its first part only). A file in one piece says schema 1. Whole writes are atomic
 (``ampviz._files.atomic_write``: a temp file in the same directory, then a rename), so a process that

@@ -24,6 +24,11 @@ axis, one column per weight row (``tensors_of("weight")``, in order: W of them):
     update_rel_counts  (R, U, W, NBINS) int64  binade histogram of |dw| / |w|
     update_stalled     (R, U, W) int64         elements whose gradient was non-zero and whose weight did not move
 
+and, with ``Recorder(..., blocks=...)`` (None otherwise), ``blocks``: a :class:`~ampviz.run.RunBlocks` holding the
+block statistics of each ``nn.Linear``'s input, weight and output gradient on their own step axis (``blocks.steps``;
+``blocks.counts`` and ``blocks.sumsq`` of shape (R, B, tensors, layouts, N_COUNTS)), read back as
+``ampviz.blocks.BlockCounts`` with :meth:`Run.block_counts`;
+
 plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
 multiplied by the loss scale. :meth:`Run.counts_for` reads any selection in either view (``rank=`` is a rank
