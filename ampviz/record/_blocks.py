@@ -163,7 +163,7 @@ class BlockCapture:
         x = inputs[0] if inputs else None
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             self._add(row, as_gemm_operand(x))
-        w = getattr(module, "weight", None)
+        w: Any = getattr(module, "weight", None)
         if hasattr(w, "to_local"):                         # FSDP2 resharded it already (a DTensor): this rank's shard
             w = w.to_local()
         if i not in self.weights_done and isinstance(w, torch.Tensor) and w.is_floating_point():
