@@ -359,3 +359,11 @@ def test_the_docs_example_of_recording_blocks_runs():
     namespace = {"__name__": "__doc__"}
     exec(compile(block, "docs/blocks.md: recording during training", "exec"), namespace)
     assert namespace["run"].blocks.steps.tolist() == [0, 10, 20]
+
+
+def test_blocks_on_a_compiled_model_is_refused_naming_the_modules():
+    model = net()
+    with pytest.raises(ValueError, match=r"blocks: 5 chosen modules run inside torch.compile \(blocks.0.up, "
+                                         r"blocks.0.down, blocks.1.up\); .* or pass blocks=False"):
+        ampviz.Recorder(torch.compile(model), activations=False, blocks=True)
+    ampviz.Recorder(torch.compile(model), activations=False, blocks=False)          # off: nothing to refuse
