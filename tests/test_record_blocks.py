@@ -101,8 +101,11 @@ class Grab:
         return total
 
 
-@pytest.mark.parametrize("autocast, micro", [(False, 1), (True, 1), (True, 2)])
-def test_counts_equal_block_counts_of_the_tensors_grabbed_by_hand(autocast, micro):
+@pytest.mark.parametrize("autocast, micro, counter", [(False, 1, ""), (True, 1, ""), (True, 2, ""),
+                                                     (True, 1, "torch")])
+def test_counts_equal_block_counts_of_the_tensors_grabbed_by_hand(autocast, micro, counter, monkeypatch):
+    """``counter="torch"``: block_counts' torch ops (what a GPU runs: index_add_, no host sync) instead of numba."""
+    monkeypatch.setenv("AMPVIZ_COUNTER", counter)
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     grab = Grab(model, autocast)
