@@ -15,6 +15,9 @@ copy of the model (same initial weights), optimizer and capture object:
                     steps (a copy of the weights before the optimizer step, compared after); few blocks hold a
                     capture, so the line after the table measures one: blocks with a capture at every step
                     against blocks with none, and the ratio it adds at every=100, amortized
+    ampviz-blocks   ampviz.Recorder(activations=False, blocks=True): weights + the block statistics of every
+                    Linear's input, weight and output gradient in the 5 layouts every 100 steps; measured like
+                    ampviz-updates (the line after the table: one capture, and its amortized ratio at every=100)
     ampviz-all      ampviz.Recorder(activations=True)   (weights + every leaf module's output grad)
     ampviz-every10  ampviz.Recorder(activations=True, every=10)
     ampviz-outputs  ampviz.Recorder(activations=False, outputs=True)   (weights + forward outputs)
@@ -55,8 +58,8 @@ import ampviz
 from ampviz import histogram as H
 from ampviz.lessons.models import CharTransformer
 
-VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-updates", "ampviz-all", "ampviz-every10", "ampviz-outputs",
-            "ampviz-all-out", "ampviz-saved", "tensorboard"]
+VARIANTS = ["base", "read-floor", "ampviz-weights", "ampviz-updates", "ampviz-blocks", "ampviz-all", "ampviz-every10",
+            "ampviz-outputs", "ampviz-all-out", "ampviz-saved", "tensorboard"]
 DIAGNOSTIC = ["ampviz-hooks"]
 
 
@@ -98,7 +101,7 @@ class Variant:
                                        activations=name in ("ampviz-all", "ampviz-every10", "ampviz-all-out",
                                                             "ampviz-hooks", "ampviz-saved"),
                                        every=10 if name.endswith("10") else 1, max_bytes=1 << 30, **outputs, **path,
-                                       updates=name == "ampviz-updates")
+                                       updates=name == "ampviz-updates", blocks=name == "ampviz-blocks")
             self.rec.__enter__()
             self._time_saves()
             if name == "ampviz-hooks":                    # every hook fires; nothing is counted
@@ -173,7 +176,8 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, name
                 v.ratios.append(per_step[v.name] / per_step["base"])
     med = {v.name: (statistics.median(v.times), statistics.median(v.ratios), statistics.fmean(v.ratios))
            for v in variants}
-    update_cost = _update_capture_cost(variants, block, max(3, rounds // 2))
+    update_cost = _capture_cost(variants, block, max(3, rounds // 2), "ampviz-updates", "updates")
+    block_cost = _capture_cost(variants, block, max(3, rounds // 2), "ampviz-blocks", "blocks")
     recs = [v.rec for v in variants if v.rec is not None]
     n_tensors = max((len(r.tensor_names) for r in recs), default=0)
     saves = {v.name: list(v.save_seconds) for v in variants if v.save_seconds}
@@ -181,19 +185,21 @@ def bench(workload: str, rounds: int, warmup: int, block: int, logdir: str, name
     for v in variants:
         v.close()
     return {"median": med, "tensors": n_tensors, "params": sum(p.numel() for p in variants[0].model.parameters()),
-            "saves": saves, "steps": steps_timed, "update_cost": update_cost}
+            "saves": saves, "steps": steps_timed, "update_cost": update_cost, "block_cost": block_cost}
 
 
-def _update_capture_cost(variants, block: int, pairs: int):
-    """(one update capture in base steps, in s, bytes copied, every) of the ampviz-updates variant: blocks capturing
-    at every step against blocks capturing at none, each pair with a base block (medians over pairs of the
-    paired ratios, so the machine's drifts cancel); None without that variant."""
-    upd = next((v for v in variants if v.name == "ampviz-updates"), None)
+def _capture_cost(variants, block: int, pairs: int, name: str, attr: str):
+    """(one capture in base steps, in s, bytes copied or None, every) of the variant ``name`` whose recording's
+    ``attr`` (``updates``, ``blocks``) captures on its own period: blocks capturing at every step against blocks
+    capturing at none, each pair with a base block (medians over pairs of the paired ratios, so the machine's
+    drifts cancel); None without that variant."""
+    upd = next((v for v in variants if v.name == name), None)
     if upd is None:
         return None
     base = next(v for v in variants if v.name == "base")
     recording = upd.rec._recording
-    updates, every = recording.updates, recording.updates.every
+    updates = getattr(recording, attr)
+    every = updates.every
     extra, ratios = [], []
     for _ in range(pairs):
         base_s = base.block(block)
@@ -206,7 +212,7 @@ def _update_capture_cost(variants, block: int, pairs: int):
         ratios.append(extra[-1] / base_s)
     updates.every = every
     updates.arm(recording.step_index)
-    return statistics.median(ratios), statistics.median(extra), updates.copy_bytes, every
+    return statistics.median(ratios), statistics.median(extra), getattr(updates, "copy_bytes", None), every
 
 
 def main(argv=None) -> int:
@@ -248,6 +254,12 @@ def main(argv=None) -> int:
                       f"(a copy of {nbytes / 2**20:.1f} MiB of weights on that step only); at every={every} it adds "
                       f"{steps / every:.4f} to the ratio: {weights + steps / every:.3f} amortized vs "
                       f"ampviz-weights {weights:.3f}")
+            if res["block_cost"] is not None:
+                steps, one, _, every = res["block_cost"]
+                weights = res["median"].get("ampviz-weights", res["median"]["ampviz-blocks"])[1]
+                print(f"ampviz-blocks: one block capture costs {one * 1e3:.2f} ms = {steps:.3f} base steps; at "
+                      f"every={every} it adds {steps / every:.4f} to the ratio: {weights + steps / every:.3f} "
+                      f"amortized vs ampviz-weights {weights:.3f}")
             per_step = res["tensors"] * H.NBINS * 8
             print(f"the largest ampviz variant keeps {res['tensors']} histograms x {H.NBINS} int64 bins = "
                   f"{per_step:,} bytes per recorded step on the host")

@@ -17,6 +17,7 @@ import pytest
 
 from ampviz import histogram as H
 from ampviz._warnings import AmpvizWarning
+from ampviz.blocks.counts import N_COUNTS
 from ampviz.run import MAGIC, Run, RunFileError
 
 STEPS, TENSORS = 4, 2
@@ -155,6 +156,18 @@ def counts_like(dtype, value=1):
     return np.full((STEPS, TENSORS, H.NBINS), value, dtype=dtype)
 
 
+BLOCKS_META = {"every": 1, "modules": ["fc"] * 3, "kinds": ["input", "weight", "grad_output"],
+               "layouts": [["mx32", 1, 32]]}
+
+
+def with_blocks(path: Path, meta=None, **arrays) -> Path:
+    """A good rank file with block statistics (Recorder(blocks=...)): one Linear, one layout, every step; fields
+    of ``meta["blocks"]`` and the arrays replaced."""
+    good = {"block_steps": np.arange(STEPS), "block_counts": np.ones((STEPS, 3, 1, N_COUNTS), np.int64),
+            "block_sumsq": np.ones((STEPS, 3, 1, N_COUNTS))}
+    return craft(path, meta={"blocks": dict(BLOCKS_META, **(meta or {}))}, **dict(good, **arrays))
+
+
 # name -> (builder(directory) -> path, fragment the one-line error must hold)
 CASES = {
     "script_in_kind": (lambda d: craft(d / "kind.npz", meta={"tensor_kinds": [
@@ -256,6 +269,17 @@ CASES = {
                               "scaler.steps_called: expected an integer >= 0, got -1"),
     "name_surrogate": (lambda d: craft(d / "surrogate.npz", meta={"tensor_names": ["fc.\ud800", "fc"]}),
                        "tensor_names[0]: holds \\ud800, a lone surrogate"),
+    "block_counts_negative": (lambda d: with_blocks(d / "blockneg.npz", block_counts=np.full(
+        (STEPS, 3, 1, N_COUNTS), -1, np.int64)), "block_counts: negative count -1"),
+    "block_counts_header_huge": (lambda d: with_blocks(d / "blockhuge.npz", block_counts=npy_header(
+        (2 ** 32, 3, 1, N_COUNTS))), "block_counts has shape (4294967296, 3, 1, 166), expected (4, 3, 1, 166)"),
+    "block_sumsq_nan": (lambda d: with_blocks(d / "blocknan.npz", block_sumsq=np.full((STEPS, 3, 1, N_COUNTS),
+                                                                                      np.nan)),
+                        "block_sumsq: expected finite sums of squares >= 0"),
+    "block_meta_missing": (lambda d: craft(d / "blocknometa.npz", block_steps=np.arange(STEPS)),
+                           "meta.blocks: missing while other block statistics are present"),
+    "block_layout_rows": (lambda d: with_blocks(d / "blocklayout.npz", meta={"layouts": [["mx32", -1, 32]]}),
+                          "blocks.layouts: ['mx32', -1, 32]"),
     "ranks_mixed": (lambda d: _ranks(d / "mixed", [0, "1"]), "rank: expected a non-negative integer, got '1'"),
     "ranks_offset": (lambda d: _ranks(d / "offset", [0, 1], offsets=[0, 100]),
                      "merge: the ranks share no recorded steps (rank 0: 4 steps 0..3; rank 1: 4 steps 100..103)"),

@@ -76,7 +76,7 @@ def test_the_run_says_how_it_was_recorded_and_files_without_it_still_load(tmp_pa
                        "activations": ["0", "2"], "outputs": False, "local_weights": False, "scheduler": "StepLR",
                        "every": 2, "flush_every": 32, "max_bytes": 256 << 20, "path": str(tmp_path / "run.npz"),
                        "save_every": None, "save_every_steps": None, "enabled": True, "compiled_by": None,
-                       "updates": 0}
+                       "updates": 0, "blocks": False}
     json.dumps(options)
     assert run.meta["domains"] == KIND_DOMAIN and tuple(KIND_DOMAIN) == KINDS     # the schema, stated once
     assert ampviz.Run.load(tmp_path / "run.npz").meta["options"] == options

@@ -28,7 +28,8 @@ from .. import __version__
 from .._counting import Counter, make_counter
 from .._dist import dist_info
 from .._warnings import warn
-from ..run import KIND_DOMAIN, Run
+from ..run import KIND_DOMAIN, Run, RunBlocks
+from ._blocks import BlockCapture
 from ._checks import StepChecks
 from ._hooks import Capture
 from ._paths import rank_file
@@ -105,6 +106,13 @@ class _Recording:
             elif options.updates:
                 warn("Recorder: updates= records nothing here (" + ("the framework keeps the weights"
                      if self.framework is not None else "no weights are watched") + ")")
+            # block statistics of the nn.Linear GEMM operands, every ``options.blocks.every`` steps (None: off)
+            self.blocks: BlockCapture | None = None
+            if options.blocks is not None and rec._blocks:
+                self.blocks = BlockCapture(rec._blocks, options.blocks, self.device)
+                self.blocks.arm(0)
+            elif options.blocks is not None:
+                warn("Recorder: blocks= records nothing here (the model has no nn.Linear module)")
             self._aim()
         except BaseException:
             self.counter.close()
@@ -127,6 +135,14 @@ class _Recording:
                              skip=self.late)
         if self.updates is not None:
             self.updates.install(rec.optimizer, self.capture.handles)                 # removed with the hooks
+        if self.blocks is not None:
+            late = compiled_modules(rec.model)
+            skipped = [n for n, m in rec._blocks if id(m) in late]
+            if skipped:
+                warn(f"Recorder: the model was compiled after Recorder(...) was made, so {len(skipped)} modules "
+                     f"chosen by blocks= now run under torch.compile ({', '.join(skipped[:3])}): their block "
+                     f"statistics are not recorded (a hook would change the compiled graph)")
+            self.blocks.install(self.capture.handles, skip=late)                      # removed with the hooks
         if self.framework is not None:
             self.capture.handles.append(self.framework.install(self.capture))     # removed with the hooks
         path = rec.options.path
@@ -151,7 +167,7 @@ class _Recording:
             self.run = self.build_run(final=True)
             if self.saver is not None:
                 self.saver.save(self.store, self.step_index, self._file_meta(), self._file_arrays,
-                                updates=self._update_rows())
+                                updates=self._update_rows(), blocks=self._block_rows())
             if not failing:
                 self.checks.at_close(self.step_index, self.capture, self.forwards)
                 problems = [p for p in self.rec._model_changes() if p not in self.changes_seen]
@@ -198,9 +214,14 @@ class _Recording:
         self.store.flush_scalars()
         if self.updates is not None:
             self.updates.flush()
+        if self.blocks is not None:
+            self.blocks.flush()
 
     def _update_rows(self) -> int:
         return 0 if self.updates is None else self.updates.n_rows
+
+    def _block_rows(self) -> int:
+        return 0 if self.blocks is None else self.blocks.n_rows
 
     def step(self, loss: Any) -> None:
         """End one optimizer step (``rec.step(loss)``)."""
@@ -226,24 +247,31 @@ class _Recording:
         self.forwards += capture.forwards
         if self.updates is not None:
             self.updates.end_step(self.step_index)
+        if self.blocks is not None:
+            self.blocks.end_step(self.step_index)
         self.step_index += 1
         capture.new_step(recorded=self._recorded(self.step_index))
         if self.updates is not None:
             self.updates.arm(self.step_index)
+        if self.blocks is not None:
+            self.blocks.arm(self.step_index)
         if self.saver is not None and self.saver.due(self.step_index):
             self.flush()                                   # note: a device->host sync, once per save
             self.saver.periodic(self.store, self.step_index, self._file_meta(), self._file_arrays,
-                                updates=self._update_rows())
+                                updates=self._update_rows(), blocks=self._block_rows())
 
     # ------------------------------------------------------------------ the run and its file
-    def _file_arrays(self, steps_from: int, rows_from: int, updates_from: int = 0) -> dict[str, np.ndarray]:
-        """The arrays of the rank file (views of the store) from step ``steps_from``, histogram row ``rows_from``
-        and update row ``updates_from`` on."""
+    def _file_arrays(self, steps_from: int, rows_from: int, updates_from: int = 0,
+                     blocks_from: int = 0) -> dict[str, np.ndarray]:
+        """The arrays of the rank file (views of the store) from step ``steps_from``, histogram row ``rows_from``,
+        update row ``updates_from`` and block row ``blocks_from`` on."""
         a = self.store.arrays(self.prev_scale, self._skip_by_scale(), copy=False, steps_from=steps_from,
                               rows_from=rows_from)
         out = {k: a[k] for k in _FILE_ARRAYS + (("scheduler_steps",) if self.scheduler is not None else ())}
         if self.updates is not None:
             out.update(self.updates.arrays(updates_from))
+        if self.blocks is not None:
+            out.update(self.blocks.arrays(blocks_from))
         return out
 
     def _file_meta(self) -> dict[str, Any]:
@@ -251,6 +279,8 @@ class _Recording:
         meta = dict(self._meta(), rank=self.rank, tensor_names=list(rec.tensor_names),
                     tensor_kinds=list(rec.tensor_kinds), tensor_dtypes=self._tensor_dtypes())
         meta.pop("ranks")
+        if self.blocks is not None:
+            meta["blocks"] = self.blocks.meta()
         return meta
 
     def _skip_by_scale(self) -> bool:
@@ -266,9 +296,14 @@ class _Recording:
         if self.updates is not None:
             u = self.updates.arrays(0)
             updates = {k: (v if k == "update_steps" else v[None]) for k, v in u.items()}
+        blocks = None
+        if self.blocks is not None:
+            b = self.blocks.arrays(0)
+            blocks = RunBlocks.from_file(self.blocks.meta(), b["block_steps"], b["block_counts"][None],
+                                         b["block_sumsq"][None])
         return Run(a["steps"], hist_steps=a["hist_steps"], tensor_names=list(rec.tensor_names),
                    tensor_kinds=list(rec.tensor_kinds), tensor_dtypes=self._tensor_dtypes(),
-                   meta=self._meta(), scheduler_steps=scheduler_steps, **per_rank, **updates)
+                   meta=self._meta(), scheduler_steps=scheduler_steps, blocks=blocks, **per_rank, **updates)
 
     def _tensor_dtypes(self) -> list[str]:
         """Each row's dtype: weight rows the parameters' dtypes now (a model.to(dtype) after Recorder(...) changes

@@ -40,7 +40,7 @@ class Saver:
         self.writer = RunFileWriter(target)
         self.save_every, self.save_every_steps = save_every, save_every_steps
         self.saved: tuple[Path, int] | None = None
-        self._written = (0, 0, 0, 0)               # steps, histogram rows, decimations, update rows in the file
+        self._written = (0, 0, 0, 0, 0)            # steps, histogram rows, decimations, update and block rows
         self._last = (time.monotonic(), 0)         # when, and at which step, the last save was
         self._failing = False                      # the last periodic save failed (warned once)
 
@@ -54,11 +54,11 @@ class Saver:
         return ((self.save_every_steps is not None and step - at >= self.save_every_steps)
                 or (self.save_every is not None and time.monotonic() - when >= self.save_every))
 
-    def periodic(self, store, step: int, meta: dict, file_arrays, updates: int = 0) -> None:
+    def periodic(self, store, step: int, meta: dict, file_arrays, updates: int = 0, blocks: int = 0) -> None:
         """A save while recording: one that fails (disk full, the file's directory gone) is a warning, not an
         error in the training loop; recording goes on and the next save tries again."""
         try:
-            self.save(store, step, meta, file_arrays, updates)
+            self.save(store, step, meta, file_arrays, updates, blocks)
         except Exception as e:                     # noqa: BLE001 - training must not stop for a failed save
             self._last = (time.monotonic(), step)
             if not self._failing:
@@ -68,14 +68,15 @@ class Saver:
             return
         self._failing = False
 
-    def save(self, store, step: int, meta: dict, file_arrays, updates: int = 0) -> None:
+    def save(self, store, step: int, meta: dict, file_arrays, updates: int = 0, blocks: int = 0) -> None:
         """Append what ``store`` holds beyond the last save (the whole run when decimation dropped rows already
         written); a Ctrl-C or SIGTERM meanwhile takes effect once the file is complete. The store must have
         been flushed to the host."""
-        steps, rows, decimations, update_rows = self._written
+        steps, rows, decimations, update_rows, block_rows = self._written
         with held_signals(f"saving the run to {self.target}"):
-            self.writer.save(meta, full=lambda: file_arrays(0, 0), tail=lambda: file_arrays(steps, rows, update_rows),
+            self.writer.save(meta, full=lambda: file_arrays(0, 0),
+                             tail=lambda: file_arrays(steps, rows, update_rows, block_rows),
                              rewrite=decimations != store.decimations)
-        self._written = (store.n_steps, store.n, store.decimations, updates)
+        self._written = (store.n_steps, store.n, store.decimations, updates, blocks)
         self.saved = (self.target, store.n_steps)
         self._last = (time.monotonic(), step)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._args import check_int
+from ._blocks import check_blocks
 from ._paths import check_path
 from ._save import check_save_every
 from ._select import check_filter
@@ -47,6 +48,7 @@ class RecordOptions:
     enabled: bool = True
     compiled_by: str | None = None
     updates: Any = False
+    blocks: Any = False
 
     def __post_init__(self):
         set_ = object.__setattr__                          # frozen: the checked values replace the given ones
@@ -65,6 +67,7 @@ class RecordOptions:
             check_filter(getattr(self, name), name)
         set_(self, "local_weights", bool(self.local_weights))
         set_(self, "updates", check_updates(self.updates))
+        set_(self, "blocks", check_blocks(self.blocks))
 
     @classmethod
     def names(cls) -> list[str]:
@@ -96,6 +99,8 @@ class RecordOptions:
                 value = None if value is None else type(value).__name__
             elif name == "path":
                 value = None if value is None else os.fsdecode(value)
+            elif name == "blocks":
+                value = False if value is None else value.meta(_filter_text)
             out[name] = value
         return out
 

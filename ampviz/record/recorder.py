@@ -50,6 +50,13 @@ copied to the host once every ``flush_every`` recorded steps. Host memory stays 
 when the histograms fill it, every other recorded step is dropped and ``every`` doubles
 (``run.meta["decimated"]`` says how often).
 
+Block statistics (``blocks=``, off by default): on their own period, what MX / NVFP4 / row-wise / tiled fp8 casts
+would do to each ``nn.Linear``'s input, weight and output gradient (see ``blocks`` below and docs/blocks.md)::
+
+    rec = ampviz.Recorder(model, optimizer, blocks={"every": 100, "layouts": ["mx32", "nv16"]})
+    ...                                            # the loop above
+    what_if(rec.run.block_counts("layers.0.mlp.up", "input", "mx32"), "mxfp8_e4m3")
+
 Saving: with ``path``, the run reaches the disk while it is recorded, every ``save_every`` seconds
 (default 60) and/or every ``save_every_steps`` steps, at a ``rec.step()``: a save appends the steps
 recorded since the previous one (``ampviz.run``'s appending writer), so it costs what is new, not the whole run,
@@ -69,6 +76,7 @@ import torch.nn as nn
 from .._args import check_int
 from .._warnings import warn
 from ..run import Run
+from ._blocks import linear_modules
 from ._checks import model_changes
 from ._recording import Outcome, _Recording
 from ._select import (
@@ -135,6 +143,24 @@ class Recorder:
         ``run.update_counts`` (|dw| / ulp(w) in the weight's dtype), ``run.update_rel_counts`` (|dw| / |w|) and
         ``run.update_stalled`` (gradient non-zero, weight unchanged), along ``run.update_steps``. A step the
         GradScaler skipped has no update row. The doctor's ``weights_stall`` reads them.
+    blocks : record block statistics (:mod:`ampviz.blocks`) of the tensors an fp8 / fp4 recipe casts, on their own
+        period: False (the default, also None or 0): never; True: every 100 steps in every layout (mx32, nv16, row,
+        tile1x128, tile128x128); an int: every this many steps; a dict with any of ``every`` (steps, default 100),
+        ``layouts`` (a layout name or a list of them, or ``BlockLayout`` objects) and ``modules`` (a regex, list of
+        names or callable on the modules, as ``activations=``; default all). The modules that count are
+        ``nn.Linear`` and its subclasses (torchao's Float8Linear is one), but not an ``nn.MultiheadAttention``'s
+        ``out_proj``, which attention never calls; under torch.compile, none (choosing compiled ones is an error).
+        On a step due (``step % every == 0``) three tensors of each are counted, each blocked along the reduction
+        dimension of the GEMM that consumes it: its ``input`` (``Y = X Wᵀ``; last dim) and ``weight``
+        (``in_features``, its last dim; once per step), both as the GEMM receives them (under autocast: cast to its
+        dtype, a copy), and its ``grad_output`` (``dX = g W``; last dim), as the backward computed it (scaled, like
+        activation gradients). A dimension that is not a multiple of the block counts as zero-padded; micro-batches
+        add up; forwards under ``no_grad`` and checkpointing's recomputation are not counted. The hooks only read
+        (no in-place op, no RNG): training stays bit-identical. The counts stay on the device (no host sync per
+        tensor) until the Recorder flushes (a save, ``rec.run``, exit, or every 8 rows). ``run.blocks`` holds them
+        (``steps``, ``counts`` and ``sumsq`` of shape (ranks, steps, tensors, layouts, N_COUNTS), ``modules``,
+        ``kinds``, ``layouts``); ``run.block_counts(module, kind, layout, step=None, rank=None)`` gives an
+        ``ampviz.blocks.BlockCounts`` (summed over the recorded steps and ranks unless narrowed), for ``what_if``.
     options : an :class:`ampviz.RecordOptions` holding the options above (the keyword arguments given with it
         change those); ``rec.options`` is the one in use, and the run's ``meta["options"]`` its JSON.
     """
@@ -175,6 +201,7 @@ class Recorder:
         self._compiled_anywhere = False                   # some watched module runs compiled (set by _modules_for)
         self._activations = self._modules_for(activations, "activations")
         self._outputs = self._modules_for(outputs, "outputs")
+        self._blocks = self._block_modules(opts.blocks)
         # a module added later would have been chosen: only for the default choice, outside torch.compile
         self._watch_added_modules = (activations is True or outputs is True) and not self._compiled_anywhere
         self._local = opts.local_weights
@@ -258,6 +285,20 @@ class Recorder:
                  f"graph breaks and change training, so {argname} are not recorded for {len(hit)} modules "
                  f"(weight gradients still are); pass {argname}=False to say so")
         return [(n, m) for n, m in chosen if id(m) not in inside]
+
+    def _block_modules(self, spec: Any) -> list[tuple[str, nn.Module]]:
+        """The ``nn.Linear`` modules whose block statistics ``blocks=`` records (none when it is off)."""
+        if spec is None:
+            return []
+        chosen = select(linear_modules(self.model, named_modules(self.model)), spec.modules, "blocks: modules",
+                        default=lambda name, module: True)
+        inside = {id(m) for m in self.model.modules()} if self._compiled else compiled_modules(self.model)
+        hit = [n for n, m in chosen if id(m) in inside]
+        if hit:
+            raise ValueError(f"blocks: {len(hit)} chosen modules run inside torch.compile ({', '.join(hit[:3])}); a "
+                             f"hook on them would add graph breaks and change the compiled training. Record the "
+                             f"model without torch.compile, or pass blocks=False")
+        return chosen
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Recorder:

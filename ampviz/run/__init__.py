@@ -11,12 +11,14 @@ cast predictions are ``histogram.fate_rows``. The names below ``__all__`` are fo
 recorder's saves, ``ampviz info``, the report), not a supported API.
 """
 
+from ._blocks import RunBlocks
 from ._file import SCHEMA_VERSION, RunFileError
 from ._load import load
 from ._schema import DOMAINS, KIND_DOMAIN, KINDS, SCALE_FREE
 from .run import VIEWS, Run
 
-__all__ = ["Run", "RunFileError", "load", "SCHEMA_VERSION", "DOMAINS", "VIEWS", "KINDS", "KIND_DOMAIN", "SCALE_FREE"]
+__all__ = ["Run", "RunBlocks", "RunFileError", "load", "SCHEMA_VERSION", "DOMAINS", "VIEWS", "KINDS", "KIND_DOMAIN",
+           "SCALE_FREE"]
 
 # for ampviz's own modules (record/ saves, cli, report): not a supported API
 from ._file import MAGIC, Budget, strict_json  # noqa: E402, F401

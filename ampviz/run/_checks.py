@@ -19,6 +19,7 @@ import numpy as np
 from .._counting import NBINS
 from .._warnings import AmpvizWarning
 from ..replay import SETTING_RULES as SCALER_RULES
+from ._blocks import block_problems
 from ._file import RunFileError
 from ._file import show as show_value
 from ._schema import DOMAINS, KINDS
@@ -48,6 +49,7 @@ def structure_problems(run) -> list[str]:
     problems += _order_problems(np.asarray(run.steps), np.asarray(run.hist_steps))
     problems += _tensor_problems(run)
     problems += update_problems(run)
+    problems += block_problems(getattr(run, "blocks", None), np.shape(run.loss)[0], np.asarray(run.steps))
     problems += meta_problems(run.meta, np.shape(run.loss)[0])
     return problems
 

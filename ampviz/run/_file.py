@@ -2,8 +2,9 @@
 
 Entries: ``meta`` (a 0-d unicode array holding JSON: magic "ampviz-run", schema version, rank,
 tensor names/kinds/dtypes, recorder settings), the arrays in ``ARRAYS`` and, when recorded, those in
-``OPTIONAL_ARRAYS``. An array may be stored in parts, ``<name>.npy`` then ``<name>.1.npy``,
-``<name>.2.npy`` ... joined along the first axis: what a recorder's periodic saves append
+``OPTIONAL_ARRAYS``, ``UPDATE_ARRAYS`` and ``BLOCK_ARRAYS`` (with ``meta["blocks"]``; an older ampviz leaves
+members it does not know out, so it still reads the rest). An array may be stored in parts, ``<name>.npy`` then
+``<name>.1.npy``, ``<name>.2.npy`` ... joined along the first axis: what a recorder's periodic saves append
 (``ampviz._runappend``; such a file says schema 2, so an older ampviz refuses it instead of reading
 its first part only). A file in one piece says schema 1. Whole writes are atomic
 (``ampviz._files.atomic_write``: a temp file in the same directory, then a rename), so a process that
@@ -44,9 +45,13 @@ DTYPES = {"steps": ("iu", np.int64, "integer step numbers"), "hist_steps": ("iu"
          "counts": ("iu", np.int64, "integer counts"), "grad_order": ("iu", np.int32, "integer positions"),
          "scheduler_steps": ("iu", np.int64, "integer step counts"),
          "update_steps": ("iu", np.int64, "integer step numbers"), "update_counts": ("iu", np.int64, "integer counts"),
-         "update_rel_counts": ("iu", np.int64, "integer counts"), "update_stalled": ("iu", np.int64, "integer counts")}
+         "update_rel_counts": ("iu", np.int64, "integer counts"), "update_stalled": ("iu", np.int64, "integer counts"),
+         "block_steps": ("iu", np.int64, "integer step numbers"), "block_counts": ("iu", np.int64, "integer counts"),
+         "block_sumsq": ("f", np.float64, "real numbers")}
 # the weights' updates (Recorder(..., updates=N)): their own step axis, all four or none; absent in older files
 UPDATE_ARRAYS = ("update_steps", "update_counts", "update_rel_counts", "update_stalled")
+# block statistics (Recorder(..., blocks=...)): their own step axis, all three with meta["blocks"] or none
+BLOCK_ARRAYS = ("block_steps", "block_counts", "block_sumsq")
 
 META_BYTES = 64 << 20            # the JSON metadata: names of a few hundred thousand tensors
 _DEFAULT_RUN_BYTES = 2 << 30     # 8x a Recorder's default max_bytes of histograms

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +23,11 @@ import numpy as np
 
 from .._counting import NBINS
 from .._warnings import AmpvizWarning
+from ..blocks.counts import N_COUNTS
 from . import _checks as checks
+from ._blocks import RunBlocks, merge_blocks
 from ._file import (
+    BLOCK_ARRAYS,
     DTYPES,
     META_BYTES,
     PER_HIST,
@@ -67,6 +71,7 @@ def load(path, budget: Budget | None = None):
             order = [next(r for r in ranks if r.light is light) for light in lights]
         arrays = _second_pass(order, steps, hist_steps, budget, path)
     arrays.update(_merged_updates([r.light for r in order]))
+    arrays["blocks"] = order[0].light.blocks if len(order) == 1 else merge_blocks([r.light for r in order])
     for r in order:
         if r.torn:
             warnings.warn(f"{r.path}: its last save did not finish ({size_text(r.torn)} at its end left out); "
@@ -103,6 +108,7 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
     heads = {name: _headers(path, archive, parts[name], name, budget, (h, t) + ((NBINS,) if name == "counts" else ()))
              for name in PER_HIST[1:] if name in parts}
     updates = _read_updates(path, archive, parts, budget, lists["tensor_kinds"])
+    blocks = _read_blocks(path, archive, parts, budget, meta.pop("blocks", None))
     zeros: dict[str, np.ndarray] = {
         name: np.broadcast_to(np.zeros((), DTYPES[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
         for name in heads}
@@ -112,7 +118,7 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
                     skipped=small["skipped"][None],
                     counts=zeros["counts"], grad_order=zeros.get("grad_order"),
                     scheduler_steps=small["scheduler_steps"][None] if "scheduler_steps" in small else None,
-                    **updates)
+                    blocks=blocks, **updates)
     except RunFileError as e:
         raise RunFileError(f"{path}: {str(e).removeprefix('Run: ')}") from None
     problems = checks.scale_problems(light)             # the histograms' values: in the second pass
@@ -137,6 +143,26 @@ def _read_updates(path, archive, parts: dict, budget: Budget, kinds: list) -> di
         shape = (steps.size, W) + ((NBINS,) if name != "update_stalled" else ())
         out[name] = _read_rows(path, archive, parts[name], name, budget, shape)[None]
     return out
+
+
+def _read_blocks(path, archive, parts: dict, budget: Budget, meta) -> RunBlocks | None:
+    """The block statistics of one file (with a rank axis of 1), read whole; None when the file has none."""
+    present = [name for name in BLOCK_ARRAYS if name in parts]
+    if not present and meta is None:
+        return None
+    if meta is None or len(present) < len(BLOCK_ARRAYS):
+        missing = "meta.blocks" if meta is None else next(n for n in BLOCK_ARRAYS if n not in parts)
+        raise RunFileError(f"{path}: corrupt run: {missing}: missing while other block statistics are present")
+    steps = _read_small(path, archive, parts["block_steps"], "block_steps", budget, ())
+    if steps.ndim != 1:
+        raise RunFileError(f"{path}: corrupt run: block_steps has shape {steps.shape}, expected (n,)")
+    try:
+        shell = RunBlocks.from_file(meta, steps, None, None)
+    except ValueError as e:
+        raise RunFileError(f"{path}: corrupt run: {e}") from None
+    shape = (steps.size, len(shell.kinds), len(shell.layouts), N_COUNTS)
+    return replace(shell, counts=_read_rows(path, archive, parts["block_counts"], "block_counts", budget, shape)[None],
+                   sumsq=_read_rows(path, archive, parts["block_sumsq"], "block_sumsq", budget, shape)[None])
 
 
 def _read_rows(path, archive, infos, name: str, budget: Budget, shape: tuple) -> np.ndarray:

@@ -24,6 +24,11 @@ axis, one column per weight row (``tensors_of("weight")``, in order: W of them):
     update_rel_counts  (R, U, W, NBINS) int64  binade histogram of |dw| / |w|
     update_stalled     (R, U, W) int64         elements whose gradient was non-zero and whose weight did not move
 
+and, with ``Recorder(..., blocks=...)`` (None otherwise), ``blocks``: a :class:`~ampviz.run.RunBlocks` holding the
+block statistics of each ``nn.Linear``'s input, weight and output gradient on their own step axis (``blocks.steps``;
+``blocks.counts`` and ``blocks.sumsq`` of shape (R, B, tensors, layouts, N_COUNTS)), read back as
+``ampviz.blocks.BlockCounts`` with :meth:`Run.block_counts`;
+
 plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
 multiplied by the loss scale. :meth:`Run.counts_for` reads any selection in either view (``rank=`` is a rank
@@ -49,6 +54,7 @@ from .._args import check_choice
 from .._warnings import AmpvizWarning
 from . import _checks as checks
 from . import _file, _write
+from ._blocks import RunBlocks, block_counts_of, merge_blocks
 from ._file import SCHEMA_VERSION, RunFileError
 from ._schema import DOMAINS, KINDS, SCALE_FREE
 
@@ -81,6 +87,7 @@ class Run:
     update_counts: np.ndarray | None = None
     update_rel_counts: np.ndarray | None = None
     update_stalled: np.ndarray | None = None
+    blocks: RunBlocks | None = None
 
     _log2_scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -334,7 +341,18 @@ class Run:
                        skipped=self.skipped[r], counts=self.counts[r][:, :, t],
                        tensor_names=[self.tensor_names[i] for i in t], tensor_kinds=[self.tensor_kinds[i] for i in t],
                        tensor_dtypes=[self.tensor_dtypes[i] for i in t], meta=meta, grad_order=order,
-                       scheduler_steps=sched, **updates)
+                       scheduler_steps=sched, blocks=None if self.blocks is None else self.blocks.select_ranks(r),
+                       **updates)
+
+    def block_counts(self, module, kind, layout, *, step=None, rank=None):
+        """The :class:`ampviz.blocks.BlockCounts` (CPU tensors) of one ``nn.Linear``'s tensor of ``kind`` ("input",
+        "weight" or "grad_output") in ``layout`` (a name, e.g. "mx32"), recorded with ``Recorder(blocks=...)``:
+        summed over the block steps ``step`` (one step, a list of steps, or None: every one in ``blocks.steps``)
+        and over ``rank`` (an id, or None: every rank; a weight counted on each rank adds up to the same shares).
+        ``what_if(run.block_counts("fc1", "input", "mx32"), "mxfp8_e4m3")`` says what that cast does to it."""
+        if self.blocks is None:
+            raise ValueError("blocks: this run has no block statistics (record with Recorder(..., blocks=True))")
+        return block_counts_of(self.blocks, self.ranks, module, kind, layout, step=step, rank=rank)
 
     # ------------------------------------------------------------------ summaries
     def fate_in(self, format, domain: str = "unscaled") -> H.Fate:
@@ -454,7 +472,7 @@ class Run:
         return cls(steps, cat("loss", "steps"), cat("loss_scale", "steps"), cat("next_scale", "steps"),
                    cat("skipped", "steps"), hist_steps, cat("counts", "hist_steps"), first.tensor_names,
                    first.tensor_kinds, first.tensor_dtypes, meta, grad_order=cat("grad_order", "hist_steps"),
-                   scheduler_steps=cat("scheduler_steps", "steps"), **merge_updates(runs))
+                   scheduler_steps=cat("scheduler_steps", "steps"), blocks=merge_blocks(runs), **merge_updates(runs))
 
     def _rank_payload(self, i: int):
         """(arrays, meta) of rank index ``i``, as one run file stores them."""
@@ -471,6 +489,10 @@ class Run:
             arrays["update_steps"] = self.update_steps
             for name in UPDATE_ARRAYS:
                 arrays[name] = getattr(self, name)[i]
+        if self.blocks is not None:
+            meta["blocks"] = self.blocks.meta()
+            arrays.update(block_steps=self.blocks.steps, block_counts=self.blocks.counts[i],
+                          block_sumsq=self.blocks.sumsq[i])
         return arrays, meta
 
     # ------------------------------------------------------------------ checks
