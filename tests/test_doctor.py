@@ -396,6 +396,29 @@ def test_a_bf16_run_whose_outputs_exceed_fp16_is_told_no_loss_scale_helps():
     assert not verdicts["fp16 (static scale)"]["ok"] and "fc1 [output]" in verdicts["fp16 (static scale)"]["verdict"]
 
 
+def test_a_pure_bf16_model_recorded_without_activations_is_a_bf16_run():
+    """Weight gradients say the precision when nothing else does: a model cast to bf16 (no autocast, bf16
+    weights) recorded with activations=False was once called an fp32 run ("can I switch precision? (from fp32)",
+    fp16 underflow "not checked: a fp32 run")."""
+    model = mlp().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    with ampviz.Recorder(model, opt, activations=False) as rec:
+        for _ in range(2):
+            x, y = torch.randn(32, 16, generator=gen).bfloat16(), torch.randint(0, 4, (32,), generator=gen)
+            F.cross_entropy(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    run = rec.run
+    assert set(run.tensor_kinds) == {"weight"} and set(run.tensor_dtypes) == {"torch.bfloat16"}
+    d = run.diagnose()
+    assert d["run"]["precision"] == "bf16" and d["switch"]["from"] == "bf16"
+    # an AMP run's weight gradients are fp32 (its master weights'): they do not make it an fp32 run
+    amp, _ = train(mlp(), steps=2, dtype=torch.bfloat16, activations=False, outputs=True)
+    assert amp.diagnose()["run"]["precision"] == "bf16"
+
+
 def test_fp16_runs_get_no_switch_table():
     run, _ = train(mlp(), scaler_kw={}, steps=3)
     d = run.diagnose()

@@ -42,7 +42,9 @@ Every finding is a dict: ``check``, ``severity`` ("error", "warning", "info"), `
 ``recommendation``. A healthy GradScaler run, whose few skips are growth probes, has none. Runs without a
 GradScaler also get ``switch``: what fp16 (replayed dynamic scaler, best static scale) and fp8 with
 per-tensor amax scaling would flush or overflow, per tensor, with a verdict and the caveat that a replay
-is a counterfactual.
+is a counterfactual. Runs recorded with ``Recorder(..., blocks=...)`` get ``blocks``, at any precision: what
+MXFP8, MXFP4, NVFP4 and row-wise / tiled fp8 would do to each Linear's input, weight and output gradient, judged by
+the share of the squared norm lost and the cast's error (``ampviz.doctor._blocks``).
 
 Needs only torch and numpy (no plotly).
 """
@@ -50,6 +52,7 @@ Needs only torch and numpy (no plotly).
 from __future__ import annotations
 
 from ..run import Run
+from ._blocks import block_table
 from ._facts import SEVERITIES, Facts, plain
 from ._forward import forward_findings
 from ._nonfinite import CAUSES, nonfinite_findings, step_causes
@@ -81,9 +84,12 @@ def diagnose(run: Run) -> dict:
     dict of plain data: ``clean`` (no findings), ``findings`` (errors first), ``checks`` (what was checked
     and, where a check could not run, why), ``nonfinite_steps`` (per rank and step that was skipped or held
     inf/nan: its cause, one of ``CAUSES``, and first non-finite tensor), ``switch`` (see the module
-    docstring; None for fp16 runs), ``updates`` (with ``Recorder(..., updates=N)``: per weight tensor the elements
-    updated and stalled and what bf16 weights would lose, and ``master_weights``, a one-line answer to "can I drop
-    fp32 master weights?" for fp32-weight runs; None without) and ``run`` (steps, ranks, precision).
+    docstring; None for fp16 runs), ``blocks`` (with ``Recorder(..., blocks=...)``: per recorded Linear tensor and
+    block recipe (MXFP8, MXFP4, NVFP4, row-wise and tiled fp8), the share of its squared norm flushed and the cast's
+    RMS error, with a verdict per tensor and per recipe; None without), ``updates`` (with
+    ``Recorder(..., updates=N)``: per weight tensor the elements updated and stalled and what bf16 weights would
+    lose, and ``master_weights``, a one-line answer to "can I drop fp32 master weights?" for fp32-weight runs;
+    None without) and ``run`` (steps, ranks, precision).
     """
     facts = Facts(run)
     causes = step_causes(facts)
@@ -95,7 +101,8 @@ def diagnose(run: Run) -> dict:
                           "precision": facts.precision, "scaler": facts.has_scaler,
                           "skipped": int(run.skipped[0].sum()) if run.n_steps else 0},
                   "clean": not found, "findings": found, "checks": _checks(facts, causes), "nonfinite_steps": causes,
-                  "switch": switch_table(facts), "updates": _updates_report(facts)})
+                  "switch": switch_table(facts), "blocks": block_table(facts),
+                  "updates": _updates_report(facts)})
 
 
 def _updates_report(facts: Facts) -> dict | None:
@@ -132,6 +139,8 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
              "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),
             ("can I switch precision", facts.precision != "fp16", "already fp16", []),
+            ("can I switch to block-scaled formats (MX, NVFP4, row-wise fp8)", run.blocks is not None,
+             "no block statistics recorded: Recorder(..., blocks=True)", []),
             ("weight updates (stalls, master weights)", run.update_steps is not None,
              "no updates recorded: Recorder(..., updates=100)", [])]
     if run.meta.get("deepspeed"):                 # only runs recorded from a DeepSpeed engine have these facts

@@ -103,8 +103,9 @@ class Facts:
     Attributes
     ----------
     run : the Run.
-    precision : "fp16", "bf16" or "fp32": the dtype autocast produced (from the recorded activation-gradient
-        and output dtypes), "fp16" for a GradScaler run that recorded neither.
+    precision : "fp16", "bf16" or "fp32": the dtype the model computed in (from the recorded activation-gradient,
+        output and weight-gradient dtypes: autocast's, or a pure-bf16/fp16 model's), "fp16" for a GradScaler run
+        that recorded no half-precision row.
     grad_format : the format the scaled gradients were computed in (its overflow threshold decides skips).
     grad_rows, output_rows : tensor indices of gradient rows (weight, activation, weight_local) and of
         forward-output rows.
@@ -121,7 +122,9 @@ class Facts:
         self.grad_rows = run.tensors_of(GRADIENT_KINDS)
         self.output_rows = run.tensors_of("output")
         self.weight_rows = run.tensors_of("weight")
-        dtypes = {run.tensor_dtypes[t] for t in run.tensors_of(("activation", "output"))}
+        # weight gradients count too: a pure-bf16 (or fp16) model recorded with activations=False has no other
+        # row in its compute dtype (an AMP run's weight gradients are fp32, its master weights')
+        dtypes = {run.tensor_dtypes[t] for t in run.tensors_of(("activation", "output", "weight"))}
         self.has_scaler = bool(run.meta.get("scaler"))
         # the GradScaler given to the Recorder never stepped while it recorded steps (files from ampviz 0.x before
         # "steps_called" was recorded: unknown, taken as used): its scale and skips are not the loop's

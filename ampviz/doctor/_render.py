@@ -57,6 +57,8 @@ def as_text(diagnosis: dict, label: str = "run", width: int | None = None) -> st
         lines.append((f"  {verdict}", "    "))
     if diagnosis.get("switch"):
         lines += [(line, "      ") for line in switch_text(diagnosis["switch"])]
+    if diagnosis.get("blocks"):
+        lines += [(line, "      ") for line in blocks_text(diagnosis["blocks"])]
     return "\n".join(_wrap(printable(text), indent, width) for text, indent in lines)
 
 
@@ -94,6 +96,44 @@ def switch_text(sw: dict) -> list[str]:
     return lines
 
 
+_RECIPE_SHORT = {"mxfp8_e4m3": "mxfp8 e4m3", "mxfp8_e5m2": "mxfp8 e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
+                 "rowwise_fp8": "row fp8", "tile_fp8": "tile fp8"}
+
+
+def _blocks_table(bt: dict) -> tuple[list[str], list[list[str]]]:
+    names = [r["recipe"] for r in bt["recipes"]]
+    head = ["tensor", "kind"] + [_RECIPE_SHORT.get(n, n) for n in names] + ["verdict"]
+    body = []
+    for t in bt["tensors"]:
+        cells = [_block_cell(t["cells"].get(n)) for n in names]
+        body.append([printable(t["tensor"]), t["kind"]] + cells + [t["verdict"]])
+    return head, body
+
+
+def _block_cell(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    if c["ok"] is None and not c["status"].startswith("unsure"):
+        return "poisoned" if c["poisoned"] else "-"
+    return f"{percent(c['norm_lost'])} / {percent(c['rms_error'])}" + {True: "", False: " !", None: " ?"}[c["ok"]]
+
+
+def blocks_text(bt: dict) -> list[str]:
+    """The block-scaled what-if table as text lines."""
+    head, body = _blocks_table(bt)
+    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head) - 1)]
+    steps = bt["steps"]
+    lines = [f"  can I switch to block-scaled formats? (block statistics of {len(steps)} recorded step"
+             f"{'s' if len(steps) != 1 else ''}; cells: share of the squared norm flushed / relative RMS error of "
+             f"the cast, upper bounds; '!' marks a loss beyond the format's own rounding, '?' bounds that cannot "
+             f"settle it)"]
+    for row in [head] + body:
+        lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    lines += [f"    {r['recipe']}: {r['verdict']}" for r in bt["recipes"]]
+    lines.append(f"    caveat: {bt['caveat']}")
+    return lines
+
+
 def as_html(diagnosis: dict) -> str:
     """The report's Findings section: headline, one item per finding with its evidence and what to do."""
     e = html.escape
@@ -115,4 +155,15 @@ def as_html(diagnosis: dict) -> str:
                      f'<table class="summary"><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr>{rows}</table>'
                      + "".join(f'<p class="note">{e(t["target"])}: {e(t["verdict"])}</p>' for t in sw["targets"])
                      + f'<p class="note">{e(sw["caveat"])}</p>')
+    bt = diagnosis.get("blocks")
+    if bt:
+        head, body = _blocks_table(bt)
+        rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in body)
+        parts.append("<h4>Can I switch to block-scaled formats?</h4>"
+                     '<p class="note">Cells: share of the squared norm flushed / relative RMS error of the cast '
+                     "(upper bounds); ! marks a loss beyond the format's own rounding, ? bounds that cannot settle "
+                     "it.</p>"
+                     f'<table class="summary"><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr>{rows}</table>'
+                     + "".join(f'<p class="note">{e(r["recipe"])}: {e(r["verdict"])}</p>' for r in bt["recipes"])
+                     + f'<p class="note">{e(bt["caveat"])}</p>')
     return "".join(parts)
