@@ -657,3 +657,13 @@ def test_deepspeed_fp16_scale_pinned_at_min_loss_scale():
     del plain.meta["deepspeed"]
     assert not {"silent_skips", "scale_at_minimum"} & {f["check"] for f in diagnose(plain)["findings"]}
     assert "DeepSpeed's skips and scale" not in {c["check"] for c in diagnose(plain)["checks"]}
+
+
+def test_long_step_lists_say_how_many_steps_they_leave_out_and_equal_bounds_read_as_one_share():
+    """Doctor text once said "... and 32 more runs of steps" and "100% to 100% of its moved elements"."""
+    from ampviz.doctor._facts import percent_range, steps_text
+    assert steps_text([3, 4, 5, 9]) == "3-5, 9"
+    assert steps_text(list(range(0, 200, 5)), limit=3) == "0, 5, 10 and 37 more steps"
+    assert steps_text([1, 2, 3, 5, 6, 8, 10, 11, 12, 13], limit=2) == "1-3, 5-6 and 5 more steps"
+    assert steps_text([1, 3, 5], limit=2) == "1, 3 and 1 more step"
+    assert percent_range(1.0, 1.0) == "100%" and percent_range(0.1, 0.2) == "10% to 20%"

@@ -73,8 +73,17 @@ def steps_text(steps, limit: int = 8) -> str:
             j += 1
         pieces.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
         i = j + 1
-    more = len(pieces) - limit
-    return ", ".join(pieces[:limit]) + (f" and {more} more runs of steps" if more > 0 else "")
+    if len(pieces) <= limit:
+        return ", ".join(pieces)
+    shown = sum(1 if "-" not in p else int(p.split("-")[1]) - int(p.split("-")[0]) + 1 for p in pieces[:limit])
+    more = len(steps) - shown
+    return ", ".join(pieces[:limit]) + f" and {more} more step{'s' if more != 1 else ''}"
+
+
+def percent_range(lo: float, hi: float) -> str:
+    """``"3%"`` when the bounds agree, else ``"3% to 5%"``."""
+    a, b = percent(lo), percent(hi)
+    return a if a == b else f"{a} to {b}"
 
 
 def names_text(names, limit: int = 5) -> str:
