@@ -49,8 +49,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024, help="MLP width (4 layers: 4 * (width**2 + width) weights)")
     ap.add_argument("--repeats", type=int, default=15, help="armed / unarmed pairs")
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's top operators of one armed step")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, batch, loss_fn = make_workload("mlp", width=args.width)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=1e-3))

@@ -318,3 +318,32 @@ def test_the_update_hooks_are_removed_when_entering_fails(monkeypatch):
         with rec:
             pass
     assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_measure_in_pieces_equals_the_oracle_at_the_edges(dtype, monkeypatch):
+    """Zeros, subnormals, sign changes, huge jumps, inf and nan after the step, spread over several pieces."""
+    from ampviz.record import _updates
+    monkeypatch.setattr(_updates, "_CHUNK_CPU", 1000)
+    g = torch.Generator().manual_seed(3)
+    fi = torch.finfo(dtype)
+    w0 = (torch.randn(5000, generator=g) * 2.0 ** torch.randint(-20, 8, (5000,), generator=g)).to(dtype)
+    w0[:50] = 0
+    w0[50:100] = fi.smallest_normal / 4
+    w0[100:150] = fi.max / 2
+    w1 = (w0.double() * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=torch.float64))).to(dtype)
+    w1[150:200] = -w0[150:200]
+    w1[200:220] = float("inf")
+    w1[220:240] = float("nan")
+    w1[240:300] = w0[240:300]
+    w1[:25] = 0
+    w1[100:120] = -fi.max
+    w1[300:350] = fi.smallest_normal / 8
+    grad = torch.randn(5000, generator=g)
+    grad[::7] = 0
+    rows, stalled = torch.zeros(2, H.NBINS, dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    _updates._measure(w0.reshape(50, 100), w1.reshape(50, 100), grad.reshape(50, 100), rows, stalled)
+    _, ulp, rel, want_stalled = oracle([(0, {"w": w0}, {"w": w1}, {"w": grad})], ["w"])
+    np.testing.assert_array_equal(rows[0], ulp[0, 0])
+    np.testing.assert_array_equal(rows[1], rel[0, 0])
+    assert int(stalled) == want_stalled[0, 0] > 0
