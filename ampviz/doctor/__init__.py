@@ -33,7 +33,10 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
   updates round to nothing (gradient non-zero, weight unchanged), norms and biases first;
   ``bf16_weights_would_stall`` (info): in an fp32-weight run, the share of updates below half a bf16 ulp of their
   weight (``|dw|/|w| <= 2**-9``), i.e. what dropping fp32 master weights would lose (``report["updates"]``
-  holds the per-tensor numbers and a one-line verdict either way).
+  holds the per-tensor numbers and a one-line verdict either way);
+  ``bf16_optimizer_state_would_stall`` (info): in an fp32 or AMP run whose optimizer keeps per-element state
+  (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``), the share of each state's changed elements
+  that would not have moved had it been stored in bf16 (change below half a bf16 ulp), and where;
 
 Every finding is a dict: ``check``, ``severity`` ("error", "warning", "info"), ``summary`` (one line),
 ``steps``, ``tensors``, ``ranks``, ``evidence`` (numbers), ``details`` (evidence in words) and
@@ -51,6 +54,7 @@ from ..run import Run
 from ._facts import SEVERITIES, Facts, plain
 from ._forward import forward_findings
 from ._nonfinite import CAUSES, nonfinite_findings, step_causes
+from ._optstate import state_findings, state_summary
 from ._render import as_html, as_text, headline
 from ._scale import deepspeed_findings, rank_findings, scale_findings
 from ._scheduler import scheduler_findings
@@ -81,13 +85,14 @@ def diagnose(run: Run) -> dict:
     inf/nan: its cause, one of ``CAUSES``, and first non-finite tensor), ``switch`` (see the module
     docstring; None for fp16 runs), ``updates`` (with ``Recorder(..., updates=N)``: per weight tensor the elements
     updated and stalled and what bf16 weights would lose, and ``master_weights``, a one-line answer to "can I drop
-    fp32 master weights?" for fp32-weight runs; None without) and ``run`` (steps, ranks, precision).
+    fp32 master weights?" for fp32-weight runs, and ``optimizer_state``: per state tensor its changed elements and
+    those bf16 would have kept unchanged, or None; None without) and ``run`` (steps, ranks, precision).
     """
     facts = Facts(run)
     causes = step_causes(facts)
     found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + underflow_findings(facts)
              + scale_findings(facts, causes) + deepspeed_findings(facts) + rank_findings(facts)
-             + scheduler_findings(facts) + update_findings(facts))
+             + scheduler_findings(facts) + update_findings(facts) + state_findings(facts))
     found.sort(key=lambda f: _RANK[f["severity"]])
     return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
                           "precision": facts.precision, "scaler": facts.has_scaler,
@@ -100,7 +105,7 @@ def _updates_report(facts: Facts) -> dict | None:
     summary = update_summary(facts)
     if summary is None:
         return None
-    return dict(summary, master_weights=master_weights_verdict(facts))
+    return dict(summary, master_weights=master_weights_verdict(facts), optimizer_state=state_summary(facts))
 
 
 def flushed_in_backward(run: Run) -> list[dict]:
