@@ -67,7 +67,8 @@ __all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", 
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
           "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",
-          "scaler_unused", "silent_skips", "scale_at_minimum", "weights_stall", "bf16_weights_would_stall")
+          "scaler_unused", "silent_skips", "scale_at_minimum", "weights_stall", "bf16_weights_would_stall",
+          "bf16_optimizer_state_would_stall")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -132,7 +133,7 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
             ("LR scheduler on skipped steps", run.scheduler_steps is not None,
              "no scheduler recorded: Recorder(..., scheduler=scheduler)", []),
             ("can I switch precision", facts.precision != "fp16", "already fp16", []),
-            ("weight updates (stalls, master weights)", run.update_steps is not None,
+            ("weight updates (stalls, master weights, optimizer state)", run.update_steps is not None,
              "no updates recorded: Recorder(..., updates=100)", [])]
     if run.meta.get("deepspeed"):                 # only runs recorded from a DeepSpeed engine have these facts
         rows.insert(4, ("DeepSpeed's skips and scale", True, "", []))

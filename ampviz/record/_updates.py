@@ -12,15 +12,28 @@ stay there until ``flush``):
   what weights of another dtype would have lost (an update rounds away in bf16 when ``|dw| / |w| <= 2**-9``);
 * ``stalled``: elements whose gradient was non-zero but whose weight did not move (``dw == 0`` exactly).
 
-``dw`` is computed in float64 (exact for bf16 / fp16 weights, and for fp32 weights within 2**29 of each other).
+With per-element optimizer state (``state_names(optimizer)``: Adam's ``exp_avg``, ``exp_avg_sq``, SGD's
+``momentum_buffer`` ...), each such state tensor of the parameter's shape is copied too and, per state:
+
+* ``state``: a binade histogram of ``|ds| / |s|`` (``s`` the state before the step; as ``rel``);
+* ``state stalled``: elements that changed but would not have moved stored in bf16, ``bf16(bf16(s) + ds) ==
+  bf16(s)`` (``ds`` below half a bf16 ulp of ``s``). State the step creates is not measured at that step.
+
+Memory, on the steps due only: one copy of each stepped parameter and of each of its measured state tensors, in
+their dtypes (fp32 AdamW: 4 + 4 + 4 = 12 bytes per parameter; SGD without momentum: 4), held from the pre-hook
+to the post-hook, plus float64 temporaries of one piece (``_CHUNK_CPU`` / ``_CHUNK_DEVICE`` elements) at a time.
+
+``dw`` is computed in float64 (exact for bf16 / fp16 weights, and for fp32 weights within 2**29 of each other),
+piece by piece: the temporaries of a piece stay in the CPU's cache (``benchmarks/update_cost.py``: about 2.5x
+faster than whole tensors, the same counts).
 A step a GradScaler skipped never reaches the optimizer: it has no update row. A fused optimizer that skips
 inside its kernel (``found_inf``) gets an all-zero row, without a host read. Bins as in ``ampviz.histogram``::
 
-    updates = UpdateCapture(params, every=100, device)
+    updates = UpdateCapture(params, every=100, device, state_names(optimizer))
     updates.arm(step)                      # at each new step: is it due?
     updates.install(optimizer, handles)    # pre / post step hooks (removed with the handles)
     updates.end_step(step)                 # rec.step(): the row of this step, if one was measured
-    updates.flush(); updates.arrays(0)     # to the host (a sync); steps, ulp, rel, stalled from row 0 on
+    updates.flush(); updates.arrays(0)     # to the host (a sync); steps, ulp, rel, stalled (state) from row 0 on
 """
 
 from __future__ import annotations
