@@ -4,12 +4,14 @@
     python benchmarks/update_cost.py --width 512 --repeats 9 --profile
 
 Builds capture_overhead.py's MLP, installs the update capture's optimizer hooks directly (no other recording) and
-alternates, step after step, an armed step (the pre-hook copies the weights, and the optimizer state's tensors, the
-post-hook counts) and an unarmed one (the hooks return at once). Each line gives the median over ``--repeats``
-pairs of the training step (forward, backward, ``opt.step()``) and of ``opt.step()`` alone, the capture's extra
-time (armed minus unarmed step), that extra per million weights, and its ratio to an unrecorded training step:
+alternates, step after step, an armed step (the pre-hook copies the weights and, with AdamW, its ``exp_avg`` and
+``exp_avg_sq``; the post-hook counts; ``--optimizer sgd``: plain SGD, no state, the weights alone) and an unarmed
+one (the hooks return at once). Each line gives the median over ``--repeats`` pairs of the training step (forward,
+backward, ``opt.step()``) and of ``opt.step()`` alone, the capture's hooks' own time (and the armed minus the
+unarmed step), per million weights, and as a ratio to an unrecorded training step of the same run:
 with ``updates=N`` the capture's share of training time is that ratio / N. ``--profile`` prints torch.profiler's
-top operators of one armed step.
+top operators of one armed step; ``--piece`` sets how many elements are measured at once (a loaded machine shows
+why ampviz keeps them below torch's intra-op grain size).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from capture_overhead import make_workload
 
 import ampviz
-from ampviz.record._updates import UpdateCapture
+from ampviz.record import _updates
+from ampviz.record._updates import UpdateCapture, state_names
 
 hook_seconds = [0.0]                                       # the capture's hooks' time in the current step
 
@@ -49,17 +52,20 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024, help="MLP width (4 layers: 4 * (width**2 + width) weights)")
     ap.add_argument("--repeats", type=int, default=15, help="armed / unarmed pairs")
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--piece", type=int, default=0, help="elements measured at once on the CPU (0: ampviz's)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's top operators of one armed step")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.piece:
+        _updates._CHUNK_CPU = args.piece
     model, batch, loss_fn = make_workload("mlp", width=args.width)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=1e-3))
     params = list(model.named_parameters())
     n = sum(p.numel() for _, p in params)
-    capture = UpdateCapture(params, 1, torch.device("cpu"))
+    capture = UpdateCapture(params, 1, torch.device("cpu"), state_names(opt))      # AdamW: its exp_avg, exp_avg_sq
     for name in ("_before", "_after"):                     # the hooks' own time, inside opt.step
         hook = getattr(capture, name)
 

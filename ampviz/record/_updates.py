@@ -24,8 +24,8 @@ their dtypes (fp32 AdamW: 4 + 4 + 4 = 12 bytes per parameter; SGD without moment
 to the post-hook, plus float64 temporaries of one piece (``_CHUNK_CPU`` / ``_CHUNK_DEVICE`` elements) at a time.
 
 ``dw`` is computed in float64 (exact for bf16 / fp16 weights, and for fp32 weights within 2**29 of each other),
-piece by piece: the temporaries of a piece stay in the CPU's cache (``benchmarks/update_cost.py``: about 2.5x
-faster than whole tensors, the same counts).
+piece by piece (see ``_CHUNK_CPU``: 2-4x faster than whole tensors on the CPU, and steady on a loaded machine; the
+same counts).
 A step a GradScaler skipped never reaches the optimizer: it has no update row. A fused optimizer that skips
 inside its kernel (``found_inf``) gets an all-zero row, without a host read. Bins as in ``ampviz.histogram``::
 
@@ -47,9 +47,12 @@ from .._counting.ops import fp64_columns
 __all__ = ["UpdateCapture", "ulp_exponent", "state_names"]
 
 _FLUSH_ROWS = 32                 # device rows kept before a copy to the host
-# elements measured at once: the float64 temporaries of a piece stay in the CPU's cache (3x faster than whole
-# tensors) and bound the capture's extra memory on any device (an accelerator: fewer, larger pieces)
-_CHUNK_CPU = 1 << 18             # 2 MiB per float64 temporary
+# elements measured at once. On the CPU, fewer than torch's intra-op grain size (32768): each op of a piece runs on
+# the calling thread, its float64 temporaries (250 kB) stay in cache, and no op waits at a parallel region's barrier
+# for a core another process holds (on a 2-core machine, pieces of 2**16 measured 4.2M weights in 0.06 s idle but
+# in 1.7 s (median) once other processes loaded it, these in 0.09 s both ways; ``update_cost.py --piece``). On an
+# accelerator, fewer, larger pieces (fewer launches); on both they bound the capture's extra memory.
+_CHUNK_CPU = 32_000
 _CHUNK_DEVICE = 1 << 22          # 32 MiB per float64 temporary
 
 

@@ -139,7 +139,7 @@ class Recorder:
         copied and compared on the same steps: ``run.state_counts`` (|ds| / |s|) and ``run.state_stalled``
         (changed, but below half a bf16 ulp: would not move in bf16), read by the doctor's
         ``bf16_optimizer_state_would_stall``. Memory on those steps: one copy of the stepped parameters and of
-        their state in their dtypes (fp32 AdamW: 12 bytes per parameter), plus float64 temporaries of 2**18
+        their state in their dtypes (fp32 AdamW: 12 bytes per parameter), plus float64 temporaries of 32000
         elements; cost: ``benchmarks/update_cost.py``.
     options : an :class:`ampviz.RecordOptions` holding the options above (the keyword arguments given with it
         change those); ``rec.options`` is the one in use, and the run's ``meta["options"]`` its JSON.
