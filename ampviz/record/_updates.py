@@ -44,7 +44,7 @@ import torch
 from .._counting import NBINS
 from .._counting.ops import fp64_columns
 
-__all__ = ["UpdateCapture", "ulp_exponent", "state_names"]
+__all__ = ["UpdateCapture", "state_names"]
 
 _FLUSH_ROWS = 32                 # device rows kept before a copy to the host
 # elements measured at once. On the CPU, fewer than torch's intra-op grain size (32768): each op of a piece runs on
@@ -56,32 +56,17 @@ _CHUNK_CPU = 32_000
 _CHUNK_DEVICE = 1 << 22          # 32 MiB per float64 temporary
 
 
-def ulp_exponent(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """log2 of the spacing of ``dtype`` at each value of ``w`` (float64), as int64: ``floor(log2|w|) - (p - 1)``,
-    at least the subnormal spacing ``emin - (p - 1)``; zeros get the subnormal spacing. From the float64 exponent
-    field (every bf16, fp16 and fp32 value is a normal float64; zero's field gives -1023, below any ``emin``)."""
-    fi = torch.finfo(dtype)
-    frac_bits = -int(round(np.log2(fi.eps)))               # p - 1: 7 for bf16, 10 for fp16, 23 for fp32
-    emin = int(round(np.log2(fi.tiny)))                    # -126 for bf16 and fp32, -14 for fp16
-    e = w.view(torch.int64).bitwise_right_shift(52).bitwise_and_(0x7FF).sub_(1023)     # floor(log2|w|)
-    return e.clamp_(min=emin).sub_(frac_bits)
-
-
-def ulp_columns(dw: torch.Tensor, ulp_exp: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
-    """Binade column of ``dw / 2**ulp_exp`` (``dw`` float64 >= 0 or nan) without dividing: dividing by a power of
-    two moves the binade by exactly ``ulp_exp``. The binade of ``dw`` (closed at the top) from its bits:
-    ``((bits - 1) >> 52) - 1023``; zeros (``zero``: ``dw == 0`` when given) to column 0, nan to 256, the rest
-    clamped to 1..255."""
-    col = dw.view(torch.int64).sub(1).bitwise_right_shift_(52).sub_(ulp_exp).add_(128 - 1023).clamp_(1, NBINS - 2)
-    return col.masked_fill_(dw == 0 if zero is None else zero, 0).masked_fill_(dw.isnan(), NBINS - 1)
-
-
 def _measure(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, rows: torch.Tensor,
              stalled: torch.Tensor) -> None:
     """Add one parameter's update (``old`` -> ``new``, same dtype) into ``rows`` (2, NBINS: ulp, rel) and the count
-    of elements with a non-zero ``grad`` that did not move into ``stalled`` (a 0-d int64), piece by piece. The same
-    columns as ``ulp_columns(dw, ulp_exponent(w0, dtype))`` and ``fp64_columns(|dw| / |w0|)`` (0 / 0 to column
-    0), with the constants folded and the float64 buffers reused as int64 (about 30 passes over a piece)."""
+    of elements with a non-zero ``grad`` that did not move into ``stalled`` (a 0-d int64), piece by piece.
+
+    ``|dw| / ulp(w0)`` without dividing: the ulp is a power of two, ``2**(e - (p - 1))`` with ``e = floor(log2|w0|)``
+    at least ``emin`` (the subnormal spacing; zeros too), read from the float64 exponent field of ``w0`` (every
+    bf16, fp16 and fp32 value is a normal float64); the binade of ``dw`` (closed at the top) from its bits,
+    ``((bits - 1) >> 52) - 1023``, minus the ulp's exponent is the column (zeros to 0, nan to 256, the rest clamped
+    to 1..255). ``|dw| / |w0|``: see ``_rel_into``. About 30 passes over a piece, the float64 buffers reused as
+    int64."""
     fi = torch.finfo(old.dtype)
     frac_bits = -int(round(np.log2(fi.eps)))
     field_min = int(round(np.log2(fi.tiny))) + 1023        # emin's float64 exponent field: the subnormal spacing
@@ -115,8 +100,8 @@ def _rel_into(d: torch.Tensor, a: torch.Tensor, zero: torch.Tensor, row: torch.T
 def _measure_state(old: torch.Tensor, new: torch.Tensor, row: torch.Tensor, bf16_stalled: torch.Tensor) -> None:
     """Add one optimizer state tensor's change (``old`` -> ``new``) into ``row`` (NBINS: ``|ds| / |s|``) and, into
     ``bf16_stalled`` (0-d int64), the elements that changed but would not have moved in bf16:
-    ``bf16(bf16(s) + ds) == bf16(s)``, ``ds`` the change in the state's own dtype (below half a bf16 ulp of ``s``,
-    ties to even)."""
+    ``bf16(bf16(s) + ds) == bf16(s)`` with ``ds = s1 - s0`` and the sum in fp32, as an optimizer computing in fp32
+    and storing bf16 would (``ds`` below half a bf16 ulp of ``s``, ties to even)."""
     old, new = old.reshape(-1), new.reshape(-1)
     size = _CHUNK_CPU if old.device.type == "cpu" else _CHUNK_DEVICE
     for start in range(0, old.numel(), size):
