@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from .._counting import NBINS
-from .._counting.ops import fp64_columns
 
 __all__ = ["UpdateCapture", "state_names"]
 
@@ -81,7 +80,7 @@ def _measure(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, ro
         a = w0.abs_()
         field = a.view(torch.int64).bitwise_right_shift(52).clamp_(min=field_min)       # ulp exponent + 1023 + p-1
         col = dw.view(torch.int64).sub(1).bitwise_right_shift_(52).sub_(field).add_(128 + frac_bits)
-        _count_into(dw, rows[0], col.clamp_(1, NBINS - 2).masked_fill_(zero, 0).masked_fill_(nan, NBINS - 1))
+        _count_into(col.clamp_(1, NBINS - 2).masked_fill_(zero, 0).masked_fill_(nan, NBINS - 1), rows[0])
         _rel_into(dw, a, zero, rows[1])
         if grad is not None:
             stalled += zero.logical_and_(grad[piece] != 0).sum()
@@ -94,7 +93,7 @@ def _rel_into(d: torch.Tensor, a: torch.Tensor, zero: torch.Tensor, row: torch.T
     rel = d.div_(a)
     nan = rel.isnan()
     col = rel.view(torch.int64).sub_(1).bitwise_right_shift_(52).sub_(1023 - 128).clamp_(1, NBINS - 2)
-    _count_into(rel, row, col.masked_fill_(nan, NBINS - 1).masked_fill_(zero, 0))
+    _count_into(col.masked_fill_(nan, NBINS - 1).masked_fill_(zero, 0), row)
 
 
 def _measure_state(old: torch.Tensor, new: torch.Tensor, row: torch.Tensor, bf16_stalled: torch.Tensor) -> None:
@@ -114,15 +113,10 @@ def _measure_state(old: torch.Tensor, new: torch.Tensor, row: torch.Tensor, bf16
         _rel_into(d, a.abs_(), d == 0, row)
 
 
-def _count_into(values: torch.Tensor, row: torch.Tensor, cols: torch.Tensor | None = None) -> None:
-    """Add the binade histogram of float64 ``values`` (>= 0 or nan; or their ``cols``) into ``row`` (NBINS int64),
-    on its device."""
-    if cols is None:
-        cols = fp64_columns(values.reshape(-1).contiguous())
-    if cols.device.type == "cpu":
-        row.add_(torch.bincount(cols, minlength=NBINS))
-    else:                                                  # no bincount on CUDA: it reads its max back (a sync)
-        row.index_add_(0, cols, torch.ones((), dtype=row.dtype, device=row.device).expand(cols.numel()))
+def _count_into(cols: torch.Tensor, row: torch.Tensor) -> None:
+    """Add the histogram of the columns ``cols`` (int64) into ``row`` (NBINS int64), on its device: ``index_add_``
+    (no host read; bincount reads the columns' max back on CUDA, a sync, and scans min and max on the CPU)."""
+    row.index_add_(0, cols, torch.ones((), dtype=row.dtype, device=row.device).expand(cols.numel()))
 
 
 class UpdateCapture:
