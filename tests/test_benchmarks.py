@@ -18,6 +18,7 @@ SMALLEST = {
     "live_export.py": ["--steps", "20", "--every", "10", "--layers", "2"],
     "recorder_memory.py": ["--steps", "50", "--max-mib", "1"],
     "replay_speed.py": ["--steps", "100", "--repeats", "2"],
+    "update_cost.py": ["--width", "64", "--repeats", "1", "--profile"],
     "save_cost.py": ["--steps", "6", "--save-every-steps", "2", "--width", "64"],
     "report_scaling.py": ["--tensors", "3", "--steps", "20", "--ranks", "2"],
     "widget_latency.py": ["--steps", "20", "--tensors", "3", "--ranks", "1", "--repeats", "6"],

@@ -168,6 +168,17 @@ def with_blocks(path: Path, meta=None, **arrays) -> Path:
     return craft(path, meta={"blocks": dict(BLOCKS_META, **(meta or {}))}, **dict(good, **arrays))
 
 
+def with_state(path: Path, names=("exp_avg", "exp_avg_sq"), stalled=0, state_shape=None) -> Path:
+    """A good rank file with update arrays at steps 0 and 2 (one weight row) and optimizer state arrays."""
+    U, S = 2, len(names) if state_shape is None else state_shape
+    state = np.zeros((U, 1, S, H.NBINS), np.int64)
+    state[..., H.column(-12)] = 3                              # 3 changed elements per state and step
+    arrays = {"update_steps": np.array([0, 2]), "update_counts": np.full((U, 1, H.NBINS), 1, np.int64),
+              "update_rel_counts": np.full((U, 1, H.NBINS), 1, np.int64), "update_stalled": np.zeros((U, 1), np.int64),
+              "state_counts": state, "state_stalled": np.full((U, 1, S), stalled, np.int64)}
+    return craft(path, meta={"state_names": list(names)} if names is not None else None, **arrays)
+
+
 # name -> (builder(directory) -> path, fragment the one-line error must hold)
 CASES = {
     "script_in_kind": (lambda d: craft(d / "kind.npz", meta={"tensor_kinds": [
@@ -280,6 +291,12 @@ CASES = {
                            "meta.blocks: missing while other block statistics are present"),
     "block_layout_rows": (lambda d: with_blocks(d / "blocklayout.npz", meta={"layouts": [["mx32", -1, 32]]}),
                           "blocks.layouts: ['mx32', -1, 32]"),
+    "state_names_missing": (lambda d: with_state(d / "statenames.npz", names=None, state_shape=2),
+                            "state arrays present but meta state_names is not a non-empty list of names"),
+    "state_axis_short": (lambda d: with_state(d / "stateaxis.npz", state_shape=1),
+                         "state_counts has shape (2, 1, 1, 257), expected (2, 1, 2, 257)"),
+    "state_stalled_excess": (lambda d: with_state(d / "stateexcess.npz", stalled=4),
+                             "state_stalled: more stalled elements than changed ones"),
     "ranks_mixed": (lambda d: _ranks(d / "mixed", [0, "1"]), "rank: expected a non-negative integer, got '1'"),
     "ranks_offset": (lambda d: _ranks(d / "offset", [0, 1], offsets=[0, 100]),
                      "merge: the ranks share no recorded steps (rank 0: 4 steps 0..3; rank 1: 4 steps 100..103)"),
@@ -473,3 +490,9 @@ def test_names_with_terminal_escapes_are_printed_escaped(tmp_path, capsys):
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and re.search(r"fc\\x1b\]0;owned\\x07", out)
+
+
+def test_the_state_arrays_the_hostile_cases_bend_load_when_sound(tmp_path):
+    run = Run.load(with_state(tmp_path / "state.npz", stalled=2))
+    assert run.state_names == ["exp_avg", "exp_avg_sq"] and run.state_counts.shape == (1, 2, 1, 2, H.NBINS)
+    assert run.state_stalled.sum() == 8

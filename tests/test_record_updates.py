@@ -124,12 +124,15 @@ def test_counts_equal_an_oracle_from_copies_taken_by_hand(dtype, make_opt):
     assert (run.update_counts.sum(-1)[0] == [p.numel() for p in model.parameters()]).all()
 
 
-def test_bit_identical_training_with_the_update_capture():
+@pytest.mark.parametrize("make_opt", [lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                      lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)])
+def test_bit_identical_training_with_the_update_capture(make_opt):
+    """Weights and optimizer state (its copies taken and compared on the steps due) as without the capture."""
     finals = []
     for updates in (False, 1, 3):
         for dtype, autocast in ((torch.bfloat16, False), (torch.float32, True)):
             model = net(dtype)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt = make_opt(model)
             if updates is False:
                 train(model, opt, batches(6), autocast=autocast)
             else:
@@ -202,23 +205,27 @@ def test_round_trip_through_periodic_saves_and_whole_files(tmp_path):
     with zipfile.ZipFile(tmp_path / "r.npz") as z:
         assert "update_counts.1.npy" in z.namelist()            # appended in parts
     for loaded in (ampviz.Run.load(tmp_path / "r.npz"), ampviz.Run.load(run.save(tmp_path / "whole.npz")[0])):
-        for name in ("update_steps", "update_counts", "update_rel_counts", "update_stalled"):
+        for name in ("update_steps", "update_counts", "update_rel_counts", "update_stalled", "state_counts",
+                     "state_stalled"):
             np.testing.assert_array_equal(getattr(loaded, name), getattr(run, name))
+        assert loaded.state_names == ["exp_avg", "exp_avg_sq"] and run.state_counts[0, 1:].sum() > 0
         assert loaded.meta["options"]["updates"] == 2
     two = ampviz.Run.merge([run, ampviz.Run(**{**_fields(run), "meta": dict(run.meta, ranks=[1])})])
     assert two.update_counts.shape[0] == 2
     two.save(tmp_path / "dir")
     back = ampviz.Run.load(tmp_path / "dir")
     np.testing.assert_array_equal(back.update_stalled, two.update_stalled)
+    np.testing.assert_array_equal(back.state_counts, two.state_counts)
     sel = run.select(tensors=["head.weight", "norm.weight"])
     np.testing.assert_array_equal(sel.update_counts[0, :, 1], run.update_counts[0, :, 2])
+    np.testing.assert_array_equal(sel.state_stalled[0, :, 1], run.state_stalled[0, :, 2])
 
 
 def _fields(run):
     return {k: getattr(run, k) for k in ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps",
                                          "counts", "tensor_names", "tensor_kinds", "tensor_dtypes", "grad_order",
                                          "scheduler_steps", "update_steps", "update_counts", "update_rel_counts",
-                                         "update_stalled")}
+                                         "update_stalled", "state_counts", "state_stalled")}
 
 
 def test_an_older_file_without_update_arrays_still_loads(tmp_path):
@@ -318,3 +325,132 @@ def test_the_update_hooks_are_removed_when_entering_fails(monkeypatch):
         with rec:
             pass
     assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_measure_in_pieces_equals_the_oracle_at_the_edges(dtype, monkeypatch):
+    """Zeros, subnormals, sign changes, huge jumps, inf and nan after the step, spread over several pieces."""
+    from ampviz.record import _updates
+    monkeypatch.setattr(_updates, "_CHUNK_CPU", 1000)
+    g = torch.Generator().manual_seed(3)
+    fi = torch.finfo(dtype)
+    w0 = (torch.randn(5000, generator=g) * 2.0 ** torch.randint(-20, 8, (5000,), generator=g)).to(dtype)
+    w0[:50] = 0
+    w0[50:100] = fi.smallest_normal / 4
+    w0[100:150] = fi.max / 2
+    w1 = (w0.double() * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=torch.float64))).to(dtype)
+    w1[150:200] = -w0[150:200]
+    w1[200:220] = float("inf")
+    w1[220:240] = float("nan")
+    w1[240:300] = w0[240:300]
+    w1[:25] = 0
+    w1[100:120] = -fi.max
+    w1[300:350] = fi.smallest_normal / 8
+    grad = torch.randn(5000, generator=g)
+    grad[::7] = 0
+    rows, stalled = torch.zeros(2, H.NBINS, dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    _updates._measure(w0.reshape(50, 100), w1.reshape(50, 100), grad.reshape(50, 100), rows, stalled)
+    _, ulp, rel, want_stalled = oracle([(0, {"w": w0}, {"w": w1}, {"w": grad})], ["w"])
+    np.testing.assert_array_equal(rows[0], ulp[0, 0])
+    np.testing.assert_array_equal(rows[1], rel[0, 0])
+    assert int(stalled) == want_stalled[0, 0] > 0
+
+
+# ------------------------------------------------------------------ the optimizer state
+def train_with_state(model, opt, data, every, rec=None, autocast=False):
+    """``train`` keeping, at the steps due, copies of the state before and after, and the state a bf16-stored
+    optimizer would have: the same step run from the state rounded to bf16 (a clone of the optimizer)."""
+    import copy
+    hand = []
+    for step, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        due = step % every == 0 and bool(opt.state)
+        if due:
+            names = [n for n, _ in model.named_parameters()]
+            before = {(n, k): v.clone() for n, p in zip(names, model.parameters())
+                      for k, v in opt.state[p].items() if v.shape == p.shape}
+            shadow = copy.deepcopy((model, opt))           # the same step, from the state rounded to bf16
+            s_model, s_opt = shadow
+            for p, sp in zip(model.parameters(), s_model.parameters()):
+                sp.grad = p.grad.clone()
+            for st in s_opt.state.values():
+                for k, v in st.items():
+                    if k != "step":
+                        v.copy_(v.bfloat16().float())
+            s_opt.step()
+        opt.step()
+        if due:
+            after = {(n, k): v.clone() for n, p in zip(names, model.parameters())
+                     for k, v in opt.state[p].items() if v.shape == p.shape}
+            bf16 = {(n, k): (v.bfloat16() == sb_before) for n, sp in zip(names, s_model.parameters())
+                    for k, v in s_opt.state[sp].items() if v.shape == sp.shape
+                    for sb_before in [before[(n, k)].bfloat16()]}
+            hand.append((step, before, after, bf16))
+        opt.zero_grad(set_to_none=True)
+        if rec is not None:
+            rec.step(loss)
+    return hand
+
+
+def test_state_counts_equal_an_oracle_and_bf16_state_would_stall_as_a_bf16_state_optimizer_does():
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999))
+    rec = ampviz.Recorder(model, opt, activations=False, updates=3)
+    with rec:
+        hand = train_with_state(model, opt, batches(31), 3, rec)
+    run = rec.run
+    assert run.state_names == ["exp_avg", "exp_avg_sq"]
+    names = [n for n, _ in model.named_parameters()]
+    assert run.update_steps.tolist() == list(range(0, 31, 3))
+    assert (run.state_counts[0, 0] == 0).all()                  # step 0: no state before the step, nothing measured
+    direct = np.zeros((len(hand), len(names), 2), np.int64)
+    for u, (step, before, after, bf16) in enumerate(hand):
+        assert run.update_steps[u + 1] == step
+        for j, n in enumerate(names):
+            for k, state in enumerate(run.state_names):
+                s0, s1 = before[(n, state)].double().numpy().ravel(), after[(n, state)].double().numpy().ravel()
+                ds = np.abs(s1 - s0)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    rel = np.where(ds == 0, 0.0, ds / np.abs(s0))
+                np.testing.assert_array_equal(run.state_counts[0, u + 1, j, k],
+                                              np.bincount(columns(rel), minlength=H.NBINS))
+                direct[u, j, k] = int((bf16[(n, state)].numpy().ravel() & (ds != 0)).sum())
+    recorded = run.state_stalled[0, 1:]
+    # the bf16-state optimizer starts from the rounded state: its change differs from the fp32 one by (1 - beta) of
+    # a rounding error, which flips an element only at the half-ulp boundary
+    changed = run.state_counts[0, 1:, :, :, 1:].sum(-1)
+    assert np.abs(recorded - direct).sum() <= 0.002 * changed.sum()
+    share = recorded[..., 1].sum() / changed[..., 1].sum()     # exp_avg_sq: beta2 = 0.999, changes ~1e-3 relative
+    assert share > 0.1 and share > recorded[..., 0].sum() / changed[..., 0].sum()
+
+    report = run.diagnose()
+    found = [f for f in report["findings"] if f["check"] == "bf16_optimizer_state_would_stall"]
+    assert len(found) == 1 and found[0]["severity"] == "info"
+    f = found[0]
+    assert "exp_avg_sq" in f["summary"] and "fp32" in f["recommendation"]
+    evidence = f["evidence"]["states"]["exp_avg_sq"]
+    assert evidence["stalled_elements"] == recorded[..., 1].sum() and evidence["share"] == pytest.approx(share)
+    assert abs(evidence["share"] - direct[..., 1].sum() / changed[..., 1].sum()) < 0.005
+    assert f["tensors"] and set(f["tensors"]) <= set(names)
+    assert report["updates"]["optimizer_state"]["states"][1]["state"] == "exp_avg_sq"
+
+
+def test_sgd_without_momentum_has_no_state_arrays_and_no_finding_with_momentum_it_has():
+    model = net()
+    run = record(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(5), updates=2)
+    assert run.state_counts is None and run.state_stalled is None and run.state_names == []
+    assert not [f for f in run.diagnose()["findings"] if f["check"] == "bf16_optimizer_state_would_stall"]
+    assert run.diagnose()["updates"]["optimizer_state"] is None
+    model = net()
+    run = record(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batches(5), updates=2)
+    assert run.state_names == ["momentum_buffer"] and run.state_counts.shape == (1, 3, 6, 1, H.NBINS)
+    assert run.state_counts[0, 1:].sum() == 2 * sum(p.numel() for p in model.parameters())
+
+
+def test_a_bf16_weight_run_gets_no_state_finding():
+    model = net(torch.bfloat16)
+    run = record(model, torch.optim.AdamW(model.parameters(), lr=LR), batches(7), updates=2)
+    assert run.state_counts is not None and (run.state_stalled == 0).all()    # bf16 state: it moved or it did not
+    assert not [f for f in run.diagnose()["findings"] if f["check"] == "bf16_optimizer_state_would_stall"]

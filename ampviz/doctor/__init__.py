@@ -35,7 +35,10 @@ or ``ampviz doctor runs/my_run.npz [--json]``. Checks (``CHECKS``):
   updates round to nothing (gradient non-zero, weight unchanged), norms and biases first;
   ``bf16_weights_would_stall`` (info): in an fp32-weight run, the share of updates below half a bf16 ulp of their
   weight (``|dw|/|w| <= 2**-9``), i.e. what dropping fp32 master weights would lose (``report["updates"]``
-  holds the per-tensor numbers and a one-line verdict either way).
+  holds the per-tensor numbers and a one-line verdict either way);
+  ``bf16_optimizer_state_would_stall`` (info): in an fp32 or AMP run whose optimizer keeps per-element state
+  (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``), the share of each state's changed elements
+  that would not have moved had it been stored in bf16 (change below half a bf16 ulp), and where;
 
 Every finding is a dict: ``check``, ``severity`` ("error", "warning", "info"), ``summary`` (one line),
 ``steps``, ``tensors``, ``ranks``, ``evidence`` (numbers), ``details`` (evidence in words) and
@@ -56,6 +59,7 @@ from ._blocks import block_table
 from ._facts import SEVERITIES, Facts, plain
 from ._forward import forward_findings
 from ._nonfinite import CAUSES, nonfinite_findings, step_causes
+from ._optstate import state_findings, state_summary
 from ._render import as_html, as_text, headline
 from ._scale import deepspeed_findings, rank_findings, scale_findings
 from ._scheduler import scheduler_findings
@@ -68,7 +72,8 @@ __all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", 
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
           "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",
-          "scaler_unused", "silent_skips", "scale_at_minimum", "weights_stall", "bf16_weights_would_stall")
+          "scaler_unused", "silent_skips", "scale_at_minimum", "weights_stall", "bf16_weights_would_stall",
+          "bf16_optimizer_state_would_stall")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -88,14 +93,15 @@ def diagnose(run: Run) -> dict:
     block recipe (MXFP8, MXFP4, NVFP4, row-wise and tiled fp8), the share of its squared norm flushed and the cast's
     RMS error, with a verdict per tensor and per recipe; None without), ``updates`` (with
     ``Recorder(..., updates=N)``: per weight tensor the elements updated and stalled and what bf16 weights would
-    lose, and ``master_weights``, a one-line answer to "can I drop fp32 master weights?" for fp32-weight runs;
-    None without) and ``run`` (steps, ranks, precision).
+    lose, and ``master_weights``, a one-line answer to "can I drop fp32 master weights?" for fp32-weight runs,
+    and ``optimizer_state``: per state tensor its changed elements and those bf16 would have kept unchanged, or
+    None; None without) and ``run`` (steps, ranks, precision).
     """
     facts = Facts(run)
     causes = step_causes(facts)
     found = (forward_findings(facts, causes) + nonfinite_findings(facts, causes) + underflow_findings(facts)
              + scale_findings(facts, causes) + deepspeed_findings(facts) + rank_findings(facts)
-             + scheduler_findings(facts) + update_findings(facts))
+             + scheduler_findings(facts) + update_findings(facts) + state_findings(facts))
     found.sort(key=lambda f: _RANK[f["severity"]])
     return plain({"run": {"steps": run.n_steps, "histogram_steps": int(run.hist_steps.size), "ranks": run.ranks,
                           "precision": facts.precision, "scaler": facts.has_scaler,
@@ -109,7 +115,7 @@ def _updates_report(facts: Facts) -> dict | None:
     summary = update_summary(facts)
     if summary is None:
         return None
-    return dict(summary, master_weights=master_weights_verdict(facts))
+    return dict(summary, master_weights=master_weights_verdict(facts), optimizer_state=state_summary(facts))
 
 
 def flushed_in_backward(run: Run) -> list[dict]:
@@ -141,7 +147,7 @@ def _checks(facts: Facts, causes: list[dict]) -> list[dict]:
             ("can I switch precision", facts.precision != "fp16", "already fp16", []),
             ("can I switch to block-scaled formats (MX, NVFP4, row-wise fp8)", run.blocks is not None,
              "no block statistics recorded: Recorder(..., blocks=True)", []),
-            ("weight updates (stalls, master weights)", run.update_steps is not None,
+            ("weight updates (stalls, master weights, optimizer state)", run.update_steps is not None,
              "no updates recorded: Recorder(..., updates=100)", [])]
     if run.meta.get("deepspeed"):                 # only runs recorded from a DeepSpeed engine have these facts
         rows.insert(4, ("DeepSpeed's skips and scale", True, "", []))

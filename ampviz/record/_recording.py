@@ -37,7 +37,7 @@ from ._save import Saver
 from ._signals import SaveOnTerm, held_signals
 from ._store import StepStore
 from ._unwrap import compiled_modules
-from ._updates import UpdateCapture
+from ._updates import UpdateCapture, state_names
 
 if TYPE_CHECKING:
     from .recorder import Recorder
@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 _FILE_ARRAYS = ("steps", "loss", "loss_scale", "next_scale", "skipped", "hist_steps", "counts", "grad_order")
-_UPDATE_ARRAYS = ("update_steps", "update_counts", "update_rel_counts", "update_stalled")
+_UPDATE_ARRAYS = ("update_steps", "update_counts", "update_rel_counts", "update_stalled", "state_counts",
+                  "state_stalled")
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class _Recording:
             # the weights' updates, every ``options.updates`` steps (0: off); not for a framework's own weights
             self.updates: UpdateCapture | None = None
             if options.updates and self.framework is None and rec._params:
-                self.updates = UpdateCapture(rec._params, options.updates, self.device)
+                self.updates = UpdateCapture(rec._params, options.updates, self.device, state_names(rec.optimizer))
                 self.updates.arm(0)
             elif options.updates:
                 warn("Recorder: updates= records nothing here (" + ("the framework keeps the weights"
@@ -331,4 +332,7 @@ class _Recording:
                 # where the scheduler's last_epoch stood when recording began (a resumed one is not at 0)
                 "scheduler": None if self.scheduler is None else {"last_epoch_at_start": self.scheduler_start},
                 "options": self.rec.options.meta(),   # how it was recorded (every: as asked; "every" above: now)
+                # the optimizer state tensors measured with the updates (state_counts' axis S), when any
+                **({"state_names": list(self.updates.state_names)} if self.updates and self.updates.state_names
+                   else {}),
                 **({} if self.framework is None else self.framework.meta())}

@@ -142,7 +142,13 @@ class Recorder:
         ``optimizer.step`` (one copy of those parameters in their dtype, on those steps only) and compared after:
         ``run.update_counts`` (|dw| / ulp(w) in the weight's dtype), ``run.update_rel_counts`` (|dw| / |w|) and
         ``run.update_stalled`` (gradient non-zero, weight unchanged), along ``run.update_steps``. A step the
-        GradScaler skipped has no update row. The doctor's ``weights_stall`` reads them.
+        GradScaler skipped has no update row. The doctor's ``weights_stall`` reads them. The optimizer's
+        per-element state (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``: ``run.state_names``) is
+        copied and compared on the same steps: ``run.state_counts`` (|ds| / |s|) and ``run.state_stalled``
+        (changed, but below half a bf16 ulp: would not move in bf16), read by the doctor's
+        ``bf16_optimizer_state_would_stall``. Memory on those steps: one copy of the stepped parameters and of
+        their state in their dtypes (fp32 AdamW: 12 bytes per parameter), plus float64 temporaries of 32000
+        elements; cost: ``benchmarks/update_cost.py``.
     blocks : record block statistics (:mod:`ampviz.blocks`) of the tensors an fp8 / fp4 recipe casts, on their own
         period: False (the default, also None or 0): never; True: every 100 steps in every layout (mx32, nv16, row,
         tile1x128, tile128x128); an int: every this many steps; a dict with any of ``every`` (steps, default 100),

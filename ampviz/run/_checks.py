@@ -93,7 +93,8 @@ def update_problems(run) -> list[str]:
     non-negative, summable, and stalled elements no more than a row's elements."""
     given = [getattr(run, name, None) is not None for name in _UPDATES]
     if not any(given):
-        return []
+        state = [n for n in ("state_counts", "state_stalled") if getattr(run, n, None) is not None]
+        return [f"{state[0]}: present without the update arrays"] if state else []
     if not all(given):
         missing = [n for n, g in zip(_UPDATES, given) if not g]
         return [f"{missing[0]}: missing while {_UPDATES[given.index(True)]} is present (the update arrays come "
@@ -129,6 +130,35 @@ def update_problems(run) -> list[str]:
     if not problems and run.update_stalled.size and (
             run.update_stalled > run.update_counts.sum(axis=-1)).any():
         problems.append("update_stalled: more stalled elements than the tensor holds")
+    return problems or state_problems(run, (R, U, W))
+
+
+def state_problems(run, axes: tuple) -> list[str]:
+    """The optimizer state arrays, with the update arrays (``axes``: R, U, W): both or none; axis S as long as
+    ``meta["state_names"]`` (a list of names); integer counts, non-negative, and no more stalled elements than
+    changed ones (column 0 of ``state_counts`` holds the unchanged)."""
+    counts, stalled = getattr(run, "state_counts", None), getattr(run, "state_stalled", None)
+    if counts is None and stalled is None:
+        return []
+    if counts is None or stalled is None:
+        return [f"{'state_counts' if counts is None else 'state_stalled'}: missing while the other state array is "
+                f"present"]
+    names = run.meta.get("state_names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return ["meta state_names: expected a non-empty list of names with the state arrays"]
+    problems = []
+    for name, shape in (("state_counts", axes + (len(names), NBINS)), ("state_stalled", axes + (len(names),))):
+        values = np.asarray(getattr(run, name))
+        if values.shape != shape:
+            problems.append(f"{name} has shape {values.shape}, expected {shape}")
+        elif values.dtype.kind not in "iu":
+            problems.append(f"{name}: expected integers, got dtype {values.dtype}")
+        elif values.size and values.min() < 0:
+            problems.append(f"{name}: negative count {values.min()}")
+        elif values.size and values.sum(dtype=np.float64) >= _COUNT_LIMIT:
+            problems.append(f"{name}: the counts add up beyond 2**62; not real counts")
+    if not problems and stalled.size and (stalled > counts[..., 1:].sum(axis=-1)).any():
+        problems.append("state_stalled: more stalled elements than changed ones")
     return problems
 
 

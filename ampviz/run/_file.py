@@ -47,11 +47,14 @@ DTYPES = {"steps": ("iu", np.int64, "integer step numbers"), "hist_steps": ("iu"
          "update_steps": ("iu", np.int64, "integer step numbers"), "update_counts": ("iu", np.int64, "integer counts"),
          "update_rel_counts": ("iu", np.int64, "integer counts"), "update_stalled": ("iu", np.int64, "integer counts"),
          "block_steps": ("iu", np.int64, "integer step numbers"), "block_counts": ("iu", np.int64, "integer counts"),
-         "block_sumsq": ("f", np.float64, "real numbers")}
+         "block_sumsq": ("f", np.float64, "real numbers"),
+         "state_counts": ("iu", np.int64, "integer counts"), "state_stalled": ("iu", np.int64, "integer counts")}
 # the weights' updates (Recorder(..., updates=N)): their own step axis, all four or none; absent in older files
 UPDATE_ARRAYS = ("update_steps", "update_counts", "update_rel_counts", "update_stalled")
 # block statistics (Recorder(..., blocks=...)): their own step axis, all three with meta["blocks"] or none
 BLOCK_ARRAYS = ("block_steps", "block_counts", "block_sumsq")
+# with them, the optimizer state's changes (axis S: meta "state_names"), both or none
+STATE_ARRAYS = ("state_counts", "state_stalled")
 
 META_BYTES = 64 << 20            # the JSON metadata: names of a few hundred thousand tensors
 _DEFAULT_RUN_BYTES = 2 << 30     # 8x a Recorder's default max_bytes of histograms

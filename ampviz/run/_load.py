@@ -32,6 +32,7 @@ from ._file import (
     META_BYTES,
     PER_HIST,
     PER_STEP,
+    STATE_ARRAYS,
     UPDATE_ARRAYS,
     Budget,
     RunFileError,
@@ -107,7 +108,7 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
             small[name] = _read_small(path, archive, parts[name], name, budget, (n,))
     heads = {name: _headers(path, archive, parts[name], name, budget, (h, t) + ((NBINS,) if name == "counts" else ()))
              for name in PER_HIST[1:] if name in parts}
-    updates = _read_updates(path, archive, parts, budget, lists["tensor_kinds"])
+    updates = _read_updates(path, archive, parts, budget, lists["tensor_kinds"], meta)
     blocks = _read_blocks(path, archive, parts, budget, meta.pop("blocks", None))
     zeros: dict[str, np.ndarray] = {
         name: np.broadcast_to(np.zeros((), DTYPES[name][1]), (1, h, t) + ((NBINS,) if name == "counts" else ()))
@@ -127,9 +128,10 @@ def _first_pass(path: Path, budget: Budget, stack) -> _RankFile:
     return _RankFile(path=path, archive=archive, torn=torn, parts=parts, heads=heads, meta=meta, light=light)
 
 
-def _read_updates(path, archive, parts: dict, budget: Budget, kinds: list) -> dict:
-    """The update arrays of one file (with a rank axis of 1), read whole; {} when the file has none."""
-    if not any(name in parts for name in UPDATE_ARRAYS):
+def _read_updates(path, archive, parts: dict, budget: Budget, kinds: list, meta: dict) -> dict:
+    """The update arrays of one file (with a rank axis of 1), read whole, and the optimizer state's when present
+    (their axis S from ``meta["state_names"]``); {} when the file has none."""
+    if not any(name in parts for name in UPDATE_ARRAYS + STATE_ARRAYS):
         return {}
     missing = [name for name in UPDATE_ARRAYS if name not in parts]
     if missing:
@@ -141,6 +143,17 @@ def _read_updates(path, archive, parts: dict, budget: Budget, kinds: list) -> di
     out = {"update_steps": steps}
     for name in UPDATE_ARRAYS[1:]:
         shape = (steps.size, W) + ((NBINS,) if name != "update_stalled" else ())
+        out[name] = _read_rows(path, archive, parts[name], name, budget, shape)[None]
+    if not any(name in parts for name in STATE_ARRAYS):
+        return out
+    names = meta.get("state_names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise RunFileError(f"{path}: corrupt run: state arrays present but meta state_names is not a non-empty "
+                           f"list of names")
+    for name in STATE_ARRAYS:
+        if name not in parts:
+            raise RunFileError(f"{path}: corrupt run: {name}: missing while other state arrays are present")
+        shape = (steps.size, W, len(names)) + ((NBINS,) if name == "state_counts" else ())
         out[name] = _read_rows(path, archive, parts[name], name, budget, shape)[None]
     return out
 

@@ -28,6 +28,11 @@ and, with ``Recorder(..., blocks=...)`` (None otherwise), ``blocks``: a :class:`
 block statistics of each ``nn.Linear``'s input, weight and output gradient on their own step axis (``blocks.steps``;
 ``blocks.counts`` and ``blocks.sumsq`` of shape (R, B, tensors, layouts, N_COUNTS)), read back as
 ``ampviz.blocks.BlockCounts`` with :meth:`Run.block_counts`;
+and, when the optimizer keeps per-element state (``meta["state_names"]``, S of them: Adam's ``exp_avg``,
+``exp_avg_sq``, SGD's ``momentum_buffer`` ...; None otherwise), the state's changes at the same steps::
+
+    state_counts   (R, U, W, S, NBINS) int64  binade histogram of |ds| / |s| (s the state before the step)
+    state_stalled  (R, U, W, S) int64         elements whose state changed but would not have moved in bf16
 
 plus tensor names / kinds (``KINDS``) / dtypes and JSON metadata. Weight gradients are stored unscaled
 (as the optimizer sees them); activation gradients as computed in the backward pass, i.e.
@@ -64,6 +69,7 @@ VIEWS = DOMAINS + ("recorded",)       # what counts_in() accepts: a domain, or t
 _PER_RANK = ("loss", "loss_scale", "next_scale", "skipped", "counts")
 _OPTIONAL = ("grad_order", "scheduler_steps")          # per rank too; None when not recorded
 UPDATE_ARRAYS = ("update_counts", "update_rel_counts", "update_stalled")   # per rank, along update_steps
+STATE_ARRAYS = ("state_counts", "state_stalled")   # the same axes, then the state (S); None without state
 
 
 @dataclass
@@ -88,6 +94,8 @@ class Run:
     update_rel_counts: np.ndarray | None = None
     update_stalled: np.ndarray | None = None
     blocks: RunBlocks | None = None
+    state_counts: np.ndarray | None = None
+    state_stalled: np.ndarray | None = None
 
     _log2_scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -95,6 +103,11 @@ class Run:
         self._validate("Run")
 
     # ------------------------------------------------------------------ shape facts
+    @property
+    def state_names(self) -> list:
+        """The optimizer state tensors along ``state_counts``' axis S (``meta["state_names"]``; [] without)."""
+        return list(self.meta.get("state_names") or [])
+
     @property
     def ranks(self) -> list:
         return list(self.meta.get("ranks", range(self.counts.shape[0])))
@@ -336,7 +349,8 @@ class Run:
         if self.update_steps is not None:                  # the update columns of the weight rows kept
             weights = self.tensors_of("weight")
             cols = [weights.index(i) for i in t if i in weights]        # in the selection's order
-            updates = {name: getattr(self, name)[r][:, :, cols] for name in UPDATE_ARRAYS}
+            updates = {name: getattr(self, name)[r][:, :, cols] for name in UPDATE_ARRAYS + STATE_ARRAYS
+                       if getattr(self, name) is not None}
         return replace(self, loss=self.loss[r], loss_scale=self.loss_scale[r], next_scale=self.next_scale[r],
                        skipped=self.skipped[r], counts=self.counts[r][:, :, t],
                        tensor_names=[self.tensor_names[i] for i in t], tensor_kinds=[self.tensor_kinds[i] for i in t],
@@ -487,8 +501,9 @@ class Run:
                 arrays[name] = getattr(self, name)[i]
         if self.update_steps is not None:
             arrays["update_steps"] = self.update_steps
-            for name in UPDATE_ARRAYS:
-                arrays[name] = getattr(self, name)[i]
+            for name in UPDATE_ARRAYS + STATE_ARRAYS:
+                if getattr(self, name) is not None:
+                    arrays[name] = getattr(self, name)[i]
         if self.blocks is not None:
             meta["blocks"] = self.blocks.meta()
             arrays.update(block_steps=self.blocks.steps, block_counts=self.blocks.counts[i],
@@ -520,6 +535,8 @@ def merge_updates(runs: list) -> dict:
         return {}
     common = checks.common_steps(runs, "update_steps")
     out: dict = {"update_steps": common}
-    for name in UPDATE_ARRAYS:
+    same_state = all(r.state_counts is not None and r.state_names == runs[0].state_names for r in runs)
+    names = UPDATE_ARRAYS + (STATE_ARRAYS if same_state else ())
+    for name in names:
         out[name] = np.concatenate([getattr(r, name)[:, np.searchsorted(r.update_steps, common)] for r in runs])
     return out
