@@ -26,7 +26,7 @@ an fp16 run's scaled output gradients are judged as they are.
 from __future__ import annotations
 
 from ..blocks import RECIPES, BlockCounts, what_if
-from ._facts import percent
+from ._facts import percent, percent_range
 
 CAVEAT = ("A what-if casts the values this run recorded, summed over its recorded steps; a run in the target "
           "format computes other values. Block recipes in practice also keep some tensors in higher precision "
@@ -61,7 +61,7 @@ def cell(counts: BlockCounts, recipe: str) -> dict:
         out.update(ok=True, status="ok")
     elif w.norm_lost[0] > NORM_LOST_OK * u * u or w.rms_error[0] > RMS_OK * u:
         out.update(ok=False, status=f"loses {percent(w.norm_lost[0])} of its norm, "
-                                    f"rms error {percent(w.rms_error[0])} to {percent(w.rms_error[1])}")
+                                    f"rms error {percent_range(w.rms_error[0], w.rms_error[1])}")
     else:                                     # the bounds straddle a threshold: say so, do not call it lossy
         out.update(ok=None, status=f"unsure: loses up to {percent(w.norm_lost[1])} of its norm, rms error up to "
                                    f"{percent(w.rms_error[1])} (bounds; the counts cannot settle it)")

@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from .. import histogram as H
-from ._facts import Facts, finding, names_text, percent, steps_text
+from ._facts import Facts, finding, names_text, percent, percent_range, steps_text
 
 __all__ = ["update_findings", "update_summary", "STALL_SHARE", "lost_share"]
 
@@ -131,13 +131,13 @@ def update_findings(facts: Facts) -> list[dict]:
             worst = [r for r in worst if r["bf16_lost_certain"] >= WOULD_STALL_SHARE]
             out.append(finding(
                 "bf16_weights_would_stall", "info",
-                f"bf16 weights without fp32 master weights would lose {percent(certain)} to {percent(possible)} "
+                f"bf16 weights without fp32 master weights would lose {percent_range(certain, possible)} "
                 f"of the updates (|dw|/|w| <= 2^-9, below half a bf16 ulp): keep fp32 master weights",
                 steps=summary["update_steps"], tensors=[r["tensor"] for r in worst], ranks=facts.run.ranks,
                 evidence={"lost_certain": certain, "lost_possible": possible, "moved_elements": moved,
                           "tensors": {r["tensor"]: {"lost_certain": r["bf16_lost_certain"],
                                                     "lost_possible": r["bf16_lost_possible"]} for r in worst}},
-                details=[f"{r['tensor']}: {percent(r['bf16_lost_certain'])} to {percent(r['bf16_lost_possible'])} "
+                details=[f"{r['tensor']}: {percent_range(r['bf16_lost_certain'], r['bf16_lost_possible'])} "
                          f"of its moved elements" for r in worst[:8]],
                 recommendation=WOULD_STALL_ADVICE))
     return out
@@ -155,6 +155,6 @@ def master_weights_verdict(facts: Facts) -> str | None:
     certain = sum(r["bf16_lost_certain"] * r["moved"] for r in fp32) / moved
     possible = sum(r["bf16_lost_possible"] * r["moved"] for r in fp32) / moved
     verdict = "no: keep fp32 master weights" if certain >= WOULD_STALL_SHARE else "likely yes"
-    return (f"drop fp32 master weights (bf16 weights)? {verdict}: {percent(certain)} to {percent(possible)} of the "
+    return (f"drop fp32 master weights (bf16 weights)? {verdict}: {percent_range(certain, possible)} of the "
             f"measured updates are below half a bf16 ulp of their weight (|dw|/|w| <= 2^-9 for certain, <= 2^-8 "
             f"possibly)")
