@@ -430,3 +430,28 @@ def test_the_docs_script_runs_under_torchrun_on_2_cpu_ranks(tmp_path):
     w = run.tensors_of("weight")
     sizes = [16 * 32, 32, 32 * 5, 5]
     assert (run.counts[:, :, w].sum(axis=(0, 3)) == sizes).all()     # every step: each parameter counted once
+
+
+@pytest.mark.slow
+@needs_fp16
+@pytest.mark.parametrize("name", ["fp16_zero2_hyst", "fp16_zero0_hyst"])
+def test_the_scaler_playground_starts_from_the_engines_scaler_and_reproduces_it(runs, name):
+    pytest.importorskip("ipywidgets")
+    from ampviz.replay import DeepSpeedPolicy, TorchPolicy, policy_from_run
+    from ampviz.widgets import ScalerPlayground
+    run = ampviz.Run.load(runs.dir / name)                 # the file the 2-rank engine's Recorder saved
+    policy = policy_from_run(run)
+    assert isinstance(policy, DeepSpeedPolicy)
+    w = ScalerPlayground(run)
+    assert w.policy_dropdown.value == "deepspeed" and w.current_policy() == policy
+    assert (2.0 ** w.init_slider.value, w.interval_slider.value, w.hysteresis_slider.value, w.growth_slider.value) == (
+        policy.init_scale, policy.scale_window, policy.hysteresis, policy.scale_factor)
+    np.testing.assert_array_equal(w.replay.scale, run.loss_scale[0])
+    assert w.replay.n_skipped == w.recorded_skipped == int(run.skipped[0].sum()) > 0
+    assert "DeepSpeed stops" not in w.readout.value
+    # moving a slider keeps the engine's settings that have none (min_scale, the hysteresis mode)
+    w.interval_slider.value = 10
+    assert w.current_policy() == DeepSpeedPolicy(**{**vars(policy), "scale_window": 10})
+    # another policy from the same controls: GradScaler growing after the engine's scale_window
+    w.policy_dropdown.value = "pytorch"
+    assert w.current_policy() == TorchPolicy(policy.init_scale, growth_interval=10)
