@@ -207,6 +207,39 @@ def test_too_high_init_scale_is_reported_with_the_number_of_skipped_steps():
     assert not by_check(d, "scale_collapse") and not by_check(d, "nonfinite_gradient")
 
 
+def test_partitioned_gradients_decide_a_skipped_step_from_every_ranks_part():
+    """Two ranks of one run, rank 0's part of the gradients finite on the skipped steps (its inf and nan moved to
+    the zero bin): as DeepSpeed ZeRO partitions (meta["deepspeed"]["weights"] == "partition") rank 0 takes rank 1's
+    cause; as DDP ranks (the full gradients each) rank 0 cannot tell why: "unknown", as before."""
+    run, seen = train(mlp(), scaler_kw=dict(init_scale=2.0 ** 24), steps=12)
+    skipped = np.flatnonzero(seen["skipped"])
+    counts = run.counts.copy()
+    rows = np.searchsorted(run.hist_steps, run.steps[skipped])
+    for b in (H.ABOVE, H.NAN):
+        counts[0, rows, :, H.ZERO] += counts[0, rows, :, b]
+        counts[0, rows, :, b] = 0
+    rank0 = dataclasses.replace(run, counts=counts, meta=dict(run.meta, world_size=2))
+    rank1 = dataclasses.replace(run, meta=dict(run.meta, ranks=[1], world_size=2))
+
+    def causes(merged):
+        return {(e["step"], e["rank"]): e for e in merged.diagnose()["nonfinite_steps"]}
+    ddp = causes(ampviz.Run.merge([rank0, rank1]))
+    assert {ddp[s, 0]["cause"] for s in skipped} == {"unknown"}
+    assert {ddp[s, 1]["cause"] for s in skipped} == {"loss scale"}
+    part = {"dtype": "fp16", "weights": "partition"}
+    zero = ampviz.Run.merge([dataclasses.replace(r, meta=dict(r.meta, deepspeed=part)) for r in (rank0, rank1)])
+    report = zero.diagnose()
+    both = causes(zero)
+    for s in skipped:
+        e = both[s, 0]
+        assert (e["cause"], e["own_cause"], e["cause_rank"], e["origin"]) == (
+            "loss scale", "unknown", 1, both[s, 1]["origin"])
+        assert both[s, 1]["cause"] == "loss scale" and "cause_rank" not in both[s, 1]
+    assert all(c["check"] != "causes of all skipped steps" for c in report["checks"])
+    init = only(report, "init_scale_too_high")
+    assert any("the partition on rank 1 held the non-finite values" in d for d in init["details"])
+
+
 def test_a_collapsing_scale_is_reported_with_its_count_and_its_cause():
     run, seen = train(mlp(poison_after=1), scaler_kw=dict(init_scale=2.0 ** 10), poison_at=set(range(8, 30)),
                       poison_value=float("nan"), steps=30)

@@ -190,6 +190,33 @@ def test_playground_starts_from_the_runs_gradscaler_and_reproduces_it():
     assert w.replay.n_skipped == w.recorded_skipped > 0
 
 
+def deepspeed_meta(run, **ds):
+    """``run`` as if recorded from a DeepSpeed engine (``ampviz.integrations.deepspeed``) with these settings."""
+    meta = dict(run.meta, deepspeed={"stage": 2, "dtype": "fp16", "weights": "partition", **ds})
+    return Run(run.steps, run.loss, run.loss_scale, run.next_scale, run.grown, run.hist_steps, run.counts,
+               run.tensor_names, run.tensor_kinds, run.tensor_dtypes, meta)
+
+
+def test_playground_starts_from_a_deepspeed_runs_own_scaler():
+    from ampviz.replay import DeepSpeedPolicy, StaticPolicy, TorchPolicy, policy_from_run
+    base = make_run()
+    run = deepspeed_meta(base, dynamic_loss_scale=True, init_scale=2.0 ** 16, scale_window=5, min_loss_scale=4.0,
+                         hysteresis=3, scale_factor=2.0, consecutive_hysteresis=True, raise_error_at_min_scale=False)
+    w = ScalerPlayground(run)
+    assert w.policy_dropdown.value == "deepspeed"
+    assert w.current_policy() == policy_from_run(run) == DeepSpeedPolicy(
+        2.0 ** 16, 2.0, scale_window=5, min_scale=4.0, hysteresis=3, consecutive_hysteresis=True,
+        raise_error_at_min_scale=False)
+    # a static DeepSpeed loss scale: the static policy at that scale
+    static = deepspeed_meta(base, dynamic_loss_scale=False, init_scale=2.0 ** 10)
+    w = ScalerPlayground(static)
+    assert w.policy_dropdown.value == "static" and w.current_policy() == StaticPolicy(2.0 ** 10)
+    # no loss scaler (a bf16 DeepSpeed run): GradScaler's defaults, as for a plain trace; a policy given wins
+    bf16 = deepspeed_meta(base, dtype="bf16")
+    assert ScalerPlayground(bf16).current_policy() == TorchPolicy()
+    assert ScalerPlayground(run, policy="pytorch").current_policy() == TorchPolicy(2.0 ** 16, growth_interval=5)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(source=np.zeros((2, 3))), "source: expected an ampviz.Run or a non-empty 1-D trace"),
     (dict(policy="apex"), "policy: expected one of"),

@@ -119,6 +119,7 @@ class Facts:
     grad_rows, output_rows : tensor indices of gradient rows (weight, activation, weight_local) and of
         forward-output rows.
     weight_rows : tensor indices of the (reduced, as the optimizer sees them) weight-gradient rows.
+    partitioned : each rank recorded only its own partition of the gradients (DeepSpeed ZeRO 1 to 3).
     loss_scaled : the backward ran multiplied by a loss scale (a GradScaler, DeepSpeed's fp16 scaler).
     dynamic_scaler : that scale was a dynamic scaler's whose settings the run holds (``meta["scaler"]``, or
         DeepSpeed's fp16 ``scale_window`` and ``min_loss_scale``): the scale checks read its trace.
@@ -143,6 +144,9 @@ class Facts:
         deepspeed = run.meta.get("deepspeed")
         ds: dict = deepspeed if isinstance(deepspeed, dict) else {}
         self.loss_scaled = self.has_scaler or ds.get("dtype") == "fp16"
+        # each rank holds only its own part of the gradients (DeepSpeed ZeRO 1 to 3): a step overflows when any
+        # rank's part does, so its cause is read from all ranks together
+        self.partitioned = ds.get("weights") == "partition"
         # a scaler that backs off and grows, whose trace the scale checks read: GradScaler's, or DeepSpeed's
         # DynamicLossScaler (its own settings, ``ampviz.replay.policy_from_run``)
         # (a DeepSpeed run whose meta lacks the scaler's settings cannot be read as one)

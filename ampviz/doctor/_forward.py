@@ -8,7 +8,7 @@ import numpy as np
 
 from ..formats import get_format
 from ._facts import Facts, finding, names_text, steps_text
-from ._nonfinite import _inf_nan, _layer, _n_steps
+from ._nonfinite import _inf_nan, _layer, _n_steps, partition_lines
 
 
 def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
@@ -16,7 +16,8 @@ def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
     a warning for outputs within one binade of their dtype's maximum."""
     out = _overflowing_outputs(facts)
     seen = {s for f in out for s in f["steps"]}
-    lost = [e for e in causes if e["cause"] == "forward" and e["step"] not in seen and not e.get("forward_origin")]
+    lost = [e for e in causes if e["cause"] == "forward" and e["step"] not in seen and not e.get("forward_origin")
+            and e.get("cause_rank") is None]                    # another rank's partition: reported there
     if lost:
         steps = sorted({e["step"] for e in lost})
         hint = ("" if facts.output_rows else
@@ -32,7 +33,8 @@ def forward_findings(facts: Facts, causes: list[dict]) -> list[dict]:
                       "reasons": sorted({e["forward_reason"] for e in lost})},
             details=[f"step {e['step']} (rank {e['rank']}): loss {e['loss']:g}"
                      + (f", {e['origin']} holds {_inf_nan(e['origin_inf'], e['origin_nan'])}"
-                        if e["forward_reason"] == "output gradient" else "") for e in lost[:3]],
+                        if e["forward_reason"] == "output gradient" else "") for e in lost[:3]]
+            + partition_lines(e for e in causes if e["cause"] == "forward" and e["step"] in steps),
             recommendation="No loss scale fixes this: the loss scale multiplies the backward pass only. Run the op "
                            "that overflows in bf16 or fp32 (bf16 autocast, or autocast(enabled=False) around it "
                            "with its inputs cast to float32)." + hint))

@@ -16,6 +16,14 @@ Causes of a step whose gradients (or loss) are not finite, decided in this order
 * ``"loss scale"``: otherwise: the scaled gradients were at the edge of the format, an ordinary overflow
   that GradScaler answers by backing off.
 
+Partitioned gradients (DeepSpeed ZeRO 1 to 3, ``run.meta["deepspeed"]["weights"] == "partition"``): each rank
+records only its own part of the gradients, and the engine skips a step when any part overflowed. A step is then
+decided from all ranks together: a rank whose own part says less (``"unknown"``: its part stayed finite) or
+something milder takes the cause of the rank whose part held the non-finite values, in the order ``"forward"``,
+``"not the loss scale"``, ``"loss scale"``; such an entry keeps its own verdict in ``own_cause`` and names that
+rank in ``cause_rank`` (its ``origin`` is then that rank's tensor). DDP ranks all-reduce the full gradients:
+each decides alone.
+
 Clipping after ``scaler.unscale_`` rewrites a skipped step's weight gradients before the Recorder reads them
 (``Facts.clipped``): an infinite total norm multiplies every gradient by 0, so inf becomes nan and every finite
 value 0; a nan norm makes every value nan. Their nan are then read as the inf they were, and an inf in a weight
@@ -35,10 +43,34 @@ CAUSES = ("forward", "loss scale", "not the loss scale", "unknown")
 
 def step_causes(facts: Facts) -> list[dict]:
     """One plain dict per (rank, step) that was skipped or holds non-finite gradients or loss."""
-    out = []
-    for r in range(facts.n_ranks):
-        out += _rank_causes(facts, r)
-    return out
+    per_rank = [_rank_causes(facts, r) for r in range(facts.n_ranks)]
+    if facts.partitioned and facts.n_ranks > 1:
+        _join_partitions(per_rank)
+    return [e for entries in per_rank for e in entries]
+
+
+_JOINT = ("forward", "not the loss scale", "loss scale")          # which rank's cause a partitioned step takes
+_ADOPTED = ("origin", "origin_kind", "origin_inf", "origin_nan", "next_module", "edge_gap", "forward_reason",
+            "forward_origin")
+
+
+def _join_partitions(per_rank: list[list[dict]]) -> None:
+    """Decide each step of a partitioned run from all ranks (see the module docstring), in place."""
+    by_step: dict = {}
+    for entries in per_rank:
+        for e in entries:
+            by_step.setdefault(e["step"], []).append(e)
+    for group in by_step.values():
+        decided = [e for e in group if e["cause"] in _JOINT]
+        if not decided:
+            continue
+        joint = min(decided, key=lambda e: _JOINT.index(e["cause"]))     # the first rank with the strongest cause
+        overflow = any(e["scale_overflow"] for e in group)
+        for e in group:
+            e["scale_overflow"] = overflow
+            if e["cause"] != joint["cause"]:
+                e.update(own_cause=e["cause"], cause=joint["cause"], cause_rank=joint["rank"],
+                         **{k: joint[k] for k in _ADOPTED if k in joint})
 
 
 def _bad_loss(loss: np.ndarray) -> np.ndarray:
@@ -272,6 +304,26 @@ CLIP_TEXT = {"inf norm": "every weight gradient holds only nan and zeros, as cli
              "nan norm": "every weight gradient is nan (clip_grad_norm_ after a nan total norm, or a nan that "
                          "reached every weight): they do not tell where it started; the activation gradients, "
                          "recorded in the backward before any clip, do"}
+
+
+def partition_lines(entries) -> list[str]:
+    """One line per rank whose part of the partitioned gradients decided these steps for another rank."""
+    by: dict = {}
+    for e in entries:
+        if e.get("cause_rank") is not None:
+            own = "stayed finite" if not e["sources"] else f"alone read as \"{e['own_cause']}\""
+            by.setdefault((e["cause_rank"], e["rank"], own, e["cause"]), []).append(e["step"])
+    return [f"{_steps_word(steps)}: rank {r}'s part of the gradients {own}; " + (
+            f"rank {k}'s forward pass was not finite (its loss or output), and the gradient reduction carried it into "
+            f"every rank's part" if cause == "forward" else
+            f"the partition on rank {k} held the non-finite values (cause: {cause})")
+            + "; ZeRO partitions the gradients: each rank records only its own part, and the engine skips a step when "
+              "any part overflows" for (k, r, own, cause), steps in sorted(by.items())]
+
+
+def _steps_word(steps: list) -> str:
+    steps = sorted(set(steps))
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps_text(steps)}"
 
 
 def clip_lines(entries) -> list[str]:

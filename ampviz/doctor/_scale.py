@@ -14,7 +14,7 @@ import numpy as np
 from ..replay import DeepSpeedPolicy, MegatronPolicy, StaticPolicy, TorchPolicy, policy_from_run, replay, trace_from_run
 from ..replay.policies import Policy
 from ._facts import Facts, best_static_log2, finding, scale_text, steps_text
-from ._nonfinite import clip_lines
+from ._nonfinite import clip_lines, partition_lines
 
 COLLAPSE_STREAK = 6         # consecutive skips (the scale / 64 with GradScaler's backoff 0.5) that make a collapse
 SETTLE_GAP = 4              # clean steps after which a too-high init_scale has settled (fewer: still backing off)
@@ -72,8 +72,10 @@ class _Scales:
         return (0, stop)
 
     def clip_lines(self, positions) -> list[str]:
-        """How clipping rewrote the weight gradients of the steps at these positions (evidence read as such)."""
-        return clip_lines(self.cause[s] for s in self.run.steps[list(positions)].tolist() if s in self.cause)
+        """How clipping rewrote the weight gradients of the steps at these positions (evidence read as such), and
+        which rank's partition decided them (partitioned gradients, ``_nonfinite.partition_lines``)."""
+        entries = [self.cause[s] for s in self.run.steps[list(positions)].tolist() if s in self.cause]
+        return clip_lines(entries) + partition_lines(entries)
 
     def _cause(self, p: int | np.integer) -> str:
         e = self.cause.get(int(self.run.steps[p]))
@@ -88,7 +90,10 @@ class _Scales:
     def trace(self) -> np.ndarray:
         if self._trace is None:
             if self.facts.grad_rows:
-                trace = trace_from_run(self.run, self.facts.grad_format, tensors=self.facts.grad_rows)
+                # partitioned gradients: the largest gradient is on whichever rank's part holds it
+                ranks = self.run.ranks if self.facts.partitioned else self.run.ranks[:1]
+                trace = np.max([trace_from_run(self.run, self.facts.grad_format, rank=r, tensors=self.facts.grad_rows)
+                                for r in ranks], axis=0)
             else:                        # no gradient recorded: only which steps overflowed is known
                 trace = np.where(self.skipped, np.inf, 0.0)
             # a step non-finite for another reason than the scale overflows at every scale: inf, not the
@@ -264,6 +269,7 @@ def _collapse_finding(sc: _Scales, span: tuple[int, int]) -> dict:
                f"{scale_text(sc.scale[a])} -> {scale_text(lowest)}" + (" (below 1)" if lowest < 1 else "")
                + ("; still skipping when the run ended" if ended else ""))
     details = ["causes of these steps: " + ", ".join(f"{c}: {k}" for c, k in tally.items())]
+    details += partition_lines(sc.cause[s] for s in steps if s in sc.cause)
     if origins:
         common = max(set(origins), key=origins.count)
         details.append(f"first non-finite {'output' if main == 'forward' else 'gradient'} on "

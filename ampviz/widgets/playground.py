@@ -1,7 +1,7 @@
 """ScalerPlayground: replay loss-scaler policies over a recorded run and compare with what happened.
 
     from ampviz.widgets import ScalerPlayground
-    ScalerPlayground(run)                      # starts from the run's own GradScaler settings
+    ScalerPlayground(run)                      # starts from the run's own scaler: GradScaler or DeepSpeed's
 
     w = ScalerPlayground(run)
     w.policy_dropdown.value = "deepspeed"
@@ -15,6 +15,8 @@ gradients afterwards, so trust the first divergence more than the tail.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import ipywidgets as W
 import numpy as np
@@ -43,10 +45,12 @@ class ScalerPlayground(W.VBox):
     Parameters
     ----------
     source : an ``ampviz.Run`` (its recorded scale, skips and growths are drawn, and the
-        controls start at its GradScaler settings) or a 1-D per-step trace of the largest
-        unscaled gradient magnitudes (inf = overflow at any scale).
+        controls start at its own scaler's settings, ``ampviz.replay.policy_from_run``: a GradScaler's, or a
+        DeepSpeed fp16 engine's with its ``min_loss_scale`` and hysteresis mode kept) or a 1-D per-step trace of
+        the largest unscaled gradient magnitudes (inf = overflow at any scale).
     format : format the scaled gradients are computed in (its overflow threshold decides skips).
-    policy : initial policy: "pytorch", "deepspeed", "megatron" or "static".
+    policy : initial policy: "pytorch", "deepspeed", "megatron" or "static"; default: the run's own ("deepspeed"
+        for a DeepSpeed fp16 run, "static" for one with a static loss scale), else "pytorch".
     rank, tensors : for a Run: which rank, and which tensors the per-step maximum covers.
 
     Attributes
@@ -57,14 +61,20 @@ class ScalerPlayground(W.VBox):
     recorded_skipped (int or None).
     """
 
-    def __init__(self, source, format="fp16", *, policy: str = "pytorch", rank=None, tensors=None):
+    def __init__(self, source, format="fp16", *, policy: str | None = None, rank=None, tensors=None):
         self.format = get_format(format)
         if not self.format.has_inf:
             raise ValueError(f"format: {self.format.name} has no inf, so no loss scaler sees an overflow; "
                              "use fp16, bf16 or fp8_e5m2")
-        if policy not in POLICY_CONTROLS:
+        if policy is not None and policy not in POLICY_CONTROLS:
             raise ValueError(f"policy: expected one of {list(POLICY_CONTROLS)}, got {policy!r}")
         self.trace, recorded, start = _resolve(source, self.format, rank, tensors)
+        if policy is None:
+            policy = ("deepspeed" if isinstance(start, DeepSpeedPolicy) else
+                      "static" if isinstance(start, StaticPolicy) else "pytorch")
+        # DeepSpeed's settings without a slider (min_scale, consecutive_hysteresis, raise_error_at_min_scale): the
+        # run's own when it is a DeepSpeed run, DeepSpeedPolicy's defaults otherwise
+        self._deepspeed_base = start if isinstance(start, DeepSpeedPolicy) else DeepSpeedPolicy()
         self.recorded_skipped = None if recorded is None else int(recorded["skipped"].sum())
         self._steps = recorded["steps"] if recorded is not None else np.arange(self.trace.size)
         self._build_controls(policy, start)
@@ -84,19 +94,30 @@ class ScalerPlayground(W.VBox):
         super().__init__([top, sliders, sliders2, self.figure, self.readout])
 
     # ------------------------------------------------------------------ controls
-    def _build_controls(self, policy: str, start: TorchPolicy) -> None:
+    def _build_controls(self, policy: str, start: TorchPolicy | DeepSpeedPolicy | StaticPolicy) -> None:
         style = {"description_width": "initial"}
+        torch_default = TorchPolicy()
         init_log2 = int(np.clip(np.rint(np.log2(start.init_scale)), 0, 40))
-        intervals = sorted(set(_INTERVALS) | {int(start.growth_interval)})
+        if isinstance(start, DeepSpeedPolicy):
+            growth, backoff = start.scale_factor, torch_default.backoff_factor
+            interval, hysteresis = int(start.scale_window), int(start.hysteresis)
+        elif isinstance(start, TorchPolicy):
+            growth, backoff, interval, hysteresis = (start.growth_factor, start.backoff_factor,
+                                                     int(start.growth_interval), 2)
+        else:                        # a static scale: the dynamic controls start at GradScaler's defaults
+            growth, backoff, interval, hysteresis = (torch_default.growth_factor, torch_default.backoff_factor,
+                                                     int(torch_default.growth_interval), 2)
+        intervals = sorted(set(_INTERVALS) | {interval})
         self.policy_dropdown = W.Dropdown(options=_POLICY_OPTIONS, value=policy, description="policy")
         self.init_slider = W.IntSlider(value=init_log2, min=0, max=40, description="init_scale (log2)", style=style)
-        self.growth_slider = W.FloatSlider(value=start.growth_factor, min=1.25, max=8.0, step=0.25,
+        self.growth_slider = W.FloatSlider(value=growth, min=1.25, max=8.0, step=0.25,
                                            description="growth_factor", style=style)
-        self.backoff_slider = W.FloatSlider(value=start.backoff_factor, min=0.05, max=0.95, step=0.05,
+        self.backoff_slider = W.FloatSlider(value=backoff, min=0.05, max=0.95, step=0.05,
                                             description="backoff_factor", style=style)
-        self.interval_slider = W.SelectionSlider(options=intervals, value=int(start.growth_interval),
+        self.interval_slider = W.SelectionSlider(options=intervals, value=interval,
                                                  description="growth_interval", style=style)
-        self.hysteresis_slider = W.IntSlider(value=2, min=1, max=10, description="hysteresis", style=style)
+        self.hysteresis_slider = W.IntSlider(value=min(max(hysteresis, 1), 10), min=1, max=10, description="hysteresis",
+                                             style=style)
         self._controls = {"init": self.init_slider, "growth": self.growth_slider, "backoff": self.backoff_slider,
                           "interval": self.interval_slider, "hysteresis": self.hysteresis_slider}
         self._enable_for(policy)
@@ -115,7 +136,8 @@ class ScalerPlayground(W.VBox):
         if name == "pytorch":
             return TorchPolicy(init, growth, backoff, interval)
         if name == "deepspeed":
-            return DeepSpeedPolicy(init, scale_factor=growth, scale_window=interval, hysteresis=hyst)
+            return dataclasses.replace(self._deepspeed_base, init_scale=init, scale_factor=growth,
+                                       scale_window=interval, hysteresis=hyst)
         if name == "megatron":
             return MegatronPolicy(init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval,
                                   hysteresis=hyst)
@@ -151,13 +173,17 @@ class ScalerPlayground(W.VBox):
 
 
 def _resolve(source, fmt, rank, tensors):
-    """(trace, recorded arrays or None, starting TorchPolicy) from a Run or a plain trace."""
+    """(trace, recorded arrays or None, starting policy) from a Run or a plain trace: the run's own scaler
+    (``policy_from_run``: a GradScaler's, DeepSpeed's fp16 one), else GradScaler's defaults."""
     if isinstance(source, Run):
         r = source.rank_index(source.ranks[0] if rank is None else rank)
         trace = trace_from_run(source, fmt, source.ranks[r], tensors)
         recorded = {"steps": source.steps, "scale": source.loss_scale[r], "skipped": source.skipped[r],
                     "grown": source.grown[r]}
-        start = policy_from_run(source) if source.meta.get("scaler") else TorchPolicy()
+        try:
+            start = policy_from_run(source)
+        except ValueError:           # no loss scaler recorded (no GradScaler; a bf16 / fp32 DeepSpeed run)
+            start = TorchPolicy()
         return trace, recorded, start
     if rank is not None or tensors is not None:
         raise ValueError("rank, tensors: only apply when the source is an ampviz.Run")

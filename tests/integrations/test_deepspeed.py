@@ -200,7 +200,15 @@ def test_a_planted_overflow_in_bf16_is_skipped_by_deepspeed_and_found_by_the_doc
     silent = [f for f in report["findings"] if f["check"] == "silent_skips"]
     assert len(silent) == 1 and silent[0]["steps"] == [1] and silent[0]["severity"] == "warning"
     assert silent[0]["evidence"]["engine_skipped_steps"] == 1
-    assert any(f["check"] == "nonfinite_gradient" and 1 in f["steps"] for f in report["findings"])
+    # the planted inf is rank 0's loss: both ranks' parts are decided by it (the forward), so rank 1's non-finite
+    # partition is not blamed on a layer of its own (no nonfinite_gradient), and the finding says where it came from
+    causes = {e["rank"]: e for e in report["nonfinite_steps"] if e["step"] == 1}
+    assert {r: e["cause"] for r, e in causes.items()} == {0: "forward", 1: "forward"}
+    assert causes[1]["cause_rank"] == 0 and causes[1]["own_cause"] == "not the loss scale"
+    fwd = [f for f in report["findings"] if f["check"] == "forward_overflow"]
+    assert len(fwd) == 1 and fwd[0]["steps"] == [1] and fwd[0]["ranks"] == [0]
+    assert any("rank 0's forward pass was not finite" in d for d in fwd[0]["details"]), fwd[0]["details"]
+    assert not any(f["check"] == "nonfinite_gradient" for f in report["findings"])
     assert not any(f["check"] == "scale_at_minimum" for f in report["findings"])
     # the user's scheduler, stepped outside the engine, advanced on the step DeepSpeed skipped
     on_skipped = [f for f in report["findings"] if f["check"] == "scheduler_on_skipped"]
@@ -238,6 +246,28 @@ def test_fp16_overflows_of_a_too_high_scale_are_the_scales_not_the_models(runs):
     first = [e for e in report["nonfinite_steps"] if e["step"] == 0]
     assert first and {e["cause"] for e in first} == {"loss scale"}
     assert not {"nonfinite_gradient", "silent_skips", "scale_at_minimum"} & {f["check"] for f in report["findings"]}
+    check_partitioned_causes(run, report)
+
+
+def check_partitioned_causes(run, report):
+    """Every skipped step of a partitioned fp16 run is decided on every rank, from all ranks' parts together: a rank
+    whose own part stayed finite takes the cause of the rank whose part overflowed, and the finding says so."""
+    causes = report["nonfinite_steps"]
+    skipped = run.steps[run.skipped[0]].tolist()
+    assert sorted((e["step"], e["rank"]) for e in causes) == sorted((s, r) for s in skipped for r in run.ranks)
+    assert {e["cause"] for e in causes} == {"loss scale"} and all(e["scale_overflow"] for e in causes)
+    adopted = [e for e in causes if e.get("cause_rank") is not None]
+    assert adopted, "the test needs a step whose overflow is in one rank's partition only"
+    for e in adopted:
+        assert e["own_cause"] == "unknown" and e["sources"] == [] and e["cause_rank"] != e["rank"]
+        own = next(x for x in causes if (x["step"], x["rank"]) == (e["step"], e["cause_rank"]))
+        assert own.get("cause_rank") is None and e["origin"] == own["origin"]
+    # no "record every step" advice: every tensor of every step was recorded, on one rank or the other
+    assert all(c["check"] != "causes of all skipped steps" for c in report["checks"])
+    assert "every=1" not in json.dumps(report)
+    init = next(f for f in report["findings"] if f["check"] == "init_scale_too_high")
+    k = adopted[0]["cause_rank"]
+    assert any(f"the partition on rank {k} held the non-finite values" in d for d in init["details"]), init["details"]
 
 
 @pytest.mark.slow
@@ -311,12 +341,9 @@ def test_fp16_a_too_high_init_scale_with_hysteresis_is_the_scales_doing_and_the_
     assert init[0]["evidence"]["settled_scale"] == run.next_scale[0, start - 1]
     assert '"initial_scale_power"' in init[0]["recommendation"] and "hysteresis (2)" in init[0]["recommendation"]
     assert "DeepSpeed as recorded (hysteresis 2, scale_window 2)" not in str(init[0])   # replays the settled scale
-    # nothing blames the model, and no error
-    # (a rank whose own part of the gradients stayed finite cannot tell why: "unknown", never the model)
-    causes = report["nonfinite_steps"]
-    assert {e["cause"] for e in causes} == {"loss scale", "unknown"}
-    for step in run.steps[skipped].tolist():
-        assert any(e["cause"] == "loss scale" for e in causes if e["step"] == step)
+    # nothing blames the model, and no error; a rank whose own part of the gradients stayed finite takes the cause
+    # from the rank whose part overflowed: never "unknown", never "record every step"
+    check_partitioned_causes(run, report)
     assert not {"nonfinite_gradient", "scale_collapse", "silent_skips", "scale_at_minimum"} & set(checks)
     assert not any(f["severity"] == "error" for f in report["findings"])
     health = next(c for c in report["checks"] if c["check"] == "loss-scale health")
@@ -403,3 +430,28 @@ def test_the_docs_script_runs_under_torchrun_on_2_cpu_ranks(tmp_path):
     w = run.tensors_of("weight")
     sizes = [16 * 32, 32, 32 * 5, 5]
     assert (run.counts[:, :, w].sum(axis=(0, 3)) == sizes).all()     # every step: each parameter counted once
+
+
+@pytest.mark.slow
+@needs_fp16
+@pytest.mark.parametrize("name", ["fp16_zero2_hyst", "fp16_zero0_hyst"])
+def test_the_scaler_playground_starts_from_the_engines_scaler_and_reproduces_it(runs, name):
+    pytest.importorskip("ipywidgets")
+    from ampviz.replay import DeepSpeedPolicy, TorchPolicy, policy_from_run
+    from ampviz.widgets import ScalerPlayground
+    run = ampviz.Run.load(runs.dir / name)                 # the file the 2-rank engine's Recorder saved
+    policy = policy_from_run(run)
+    assert isinstance(policy, DeepSpeedPolicy)
+    w = ScalerPlayground(run)
+    assert w.policy_dropdown.value == "deepspeed" and w.current_policy() == policy
+    assert (2.0 ** w.init_slider.value, w.interval_slider.value, w.hysteresis_slider.value, w.growth_slider.value) == (
+        policy.init_scale, policy.scale_window, policy.hysteresis, policy.scale_factor)
+    np.testing.assert_array_equal(w.replay.scale, run.loss_scale[0])
+    assert w.replay.n_skipped == w.recorded_skipped == int(run.skipped[0].sum()) > 0
+    assert "DeepSpeed stops" not in w.readout.value
+    # moving a slider keeps the engine's settings that have none (min_scale, the hysteresis mode)
+    w.interval_slider.value = 10
+    assert w.current_policy() == DeepSpeedPolicy(**{**vars(policy), "scale_window": 10})
+    # another policy from the same controls: GradScaler growing after the engine's scale_window
+    w.policy_dropdown.value = "pytorch"
+    assert w.current_policy() == TorchPolicy(policy.init_scale, growth_interval=10)
