@@ -16,7 +16,7 @@ squared norm::
 The loop is the one a user writes (lesson 06's ``scaler.scale(loss).backward(); scaler.step(opt);
 scaler.update()``); the Recorder only reads, so training is what it would be without it.
 
-Used by lesson 08b (fp8 scaling, §7).
+Used by lessons 08b (fp8 scaling, §7).
 """
 
 from __future__ import annotations

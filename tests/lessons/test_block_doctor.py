@@ -24,7 +24,7 @@ def trained(data, seed):
     return train_classifier(relu_mlp(seed=seed), data, steps=400, lr=3e-3, record=False, seed=seed + 1).model
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", [0, 1, 9, 15])          # 9, 15: OCP floor's real error highest of seeds 0-16
 def test_the_lessons_block_verdicts_hold_over_seeds(data, seed):
     torch.set_num_threads(1)
     model = trained(data, seed)
@@ -41,15 +41,19 @@ def test_the_lessons_block_verdicts_hold_over_seeds(data, seed):
     assert counted[HEAD_G] > 5 * counted.drop(HEAD_G).max()
     assert mx4.loc[HEAD_G, "squared norm flushed"] < u["mxfp4"] ** 2 / 4 / 20
     assert mx4["squared norm flushed"].idxmax() != HEAD_G
+    rms = verdict_frame(blocks).xs("RMS error", axis=1, level=1)
+    assert rms[["MXFP4", "NVFP4"]].stack().between(0.75 * u["mxfp4"], 1.25 * u["mxfp4"]).all()
     unsure = {key for key, c in judged.items() if c["ok"] is None}
     assert unsure <= {(HEAD_G, "mxfp8_e4m3")}
     # the lesson's batch of §4 / §6, from the same model: its real casts
     ops = capture_linear_operands(model, F.cross_entropy, data.x_train[:256], data.y_train[:256])
     g = ops["head"].grad
+    assert (g.abs().amax(dim=1) ** 2).sum() > 0.5 * (g ** 2).sum()
     real = mx_fates(g, "e2m1", 32)
     assert real["flushed"] / real["nonzero"] > 0.5
-    error = float((quantize_blocks(g, element="e4m3", block=32) - g).norm() / g.norm())
-    assert error < u["mxfp8_e4m3"] and error < 0.75 * judged[(HEAD_G, "mxfp8_e4m3")]["rms_error"]
+    floor_error, rceil_error = (float((quantize_blocks(g, element="e4m3", block=32, rule=rule) - g).norm() / g.norm())
+                                for rule in ("ocp", "rceil"))
+    assert floor_error < judged[(HEAD_G, "mxfp8_e4m3")]["rms_error"] and rceil_error < u["mxfp8_e4m3"]
 
 
 def test_a_power_of_two_loss_scale_changes_no_number_and_the_table_shades_what_is_not_ok(data):
