@@ -55,6 +55,7 @@ Needs only torch and numpy (no plotly).
 from __future__ import annotations
 
 from ..run import Run
+from ._blocks import LABELS as RECIPE_LABELS
 from ._blocks import block_table
 from ._facts import SEVERITIES, Facts, plain
 from ._forward import forward_findings
@@ -68,7 +69,8 @@ from ._underflow import flushed_in_backward as _flushed_in_backward
 from ._underflow import underflow_findings
 from ._updates import master_weights_verdict, update_findings, update_summary
 
-__all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES"]
+__all__ = ["diagnose", "flushed_in_backward", "as_text", "as_html", "headline", "CHECKS", "SEVERITIES", "CAUSES",
+           "RECIPE_LABELS"]
 
 CHECKS = ("nonfinite_gradient", "gradient_underflow", "forward_overflow", "forward_headroom", "init_scale_too_high",
           "scale_collapse", "frequent_skips", "scale_unbounded", "ranks_disagree", "scheduler_on_skipped",

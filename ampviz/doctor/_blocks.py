@@ -4,9 +4,9 @@ recorded with ``Recorder(blocks=...)`` (each Linear's input, weight and output g
 Each cell is :func:`ampviz.blocks.what_if` on the tensor's block counts summed over the recorded steps (and
 ranks): the share of the tensor's squared norm the cast flushes, and the relative RMS error of the cast (upper
 bound: flushed values' exact error plus every kept value's rounding bound). The verdict reads those two, not
-the count flushed: lesson 08's measurement showed the share of values flushed is the wrong yardstick (e4m3
-flushed 28-71% of an output gradient's values yet gave half the GEMM error of e5m2), because flushed values are
-the smallest and carry little of the norm.
+the count flushed: lesson 08b measures why the share of values flushed is the wrong yardstick (on its model
+e4m3 flushes most of an output gradient's values yet gives a smaller GEMM error than e5m2): flushed values are the
+smallest and carry little of the norm.
 
 A tensor is "ok" in a recipe when the cast costs little beyond its element format's own rounding: the share of
 the squared norm flushed is at most ``u**2 / 4`` (flushing adds at most half the rounding bound, in RMS terms)
@@ -34,6 +34,8 @@ CAVEAT = ("A what-if casts the values this run recorded, summed over its recorde
           "stochastic rounding of gradients).")
 
 
+LABELS = {"mxfp8_e4m3": "MXFP8 E4M3", "mxfp8_e5m2": "MXFP8 E5M2", "mxfp4": "MXFP4", "nvfp4": "NVFP4",
+          "rowwise_fp8": "row-wise fp8", "tile_fp8": "tiled fp8"}          # each recipe's name in text
 NORM_LOST_OK = 0.25         # ok: squared norm flushed <= NORM_LOST_OK * u**2
 RMS_OK = 1.25               # ok: RMS error bound <= RMS_OK * u
 
@@ -85,7 +87,7 @@ def tensor_row(tensor: str, kind: str, counts: dict[str, BlockCounts]) -> dict:
     elif not (bad or unsure):
         verdict = "ok in every recipe"
     else:
-        verdict = "; ".join(f"{word} {', '.join(ks)}" for word, ks in
+        verdict = "; ".join(f"{word} {', '.join(LABELS[k] for k in ks)}" for word, ks in
                             (("ok in", good), ("not in", bad), ("unsure in", unsure)) if ks)
     return {"tensor": tensor, "kind": kind, "cells": cells, "verdict": verdict}
 
@@ -111,7 +113,10 @@ def recipe_verdicts(rows: list[dict]) -> list[dict]:
                        f"{len(judged)} ({', '.join(r['tensor'] for r, _ in unsure[:3])}"
                        f"{' ...' if len(unsure) > 3 else ''}) the bounds cannot settle it")
         else:
-            verdict = f"yes: all {len(judged)} tensors lose no more than {name}'s own rounding"
+            verdict = (f"yes, its blocks fit: none of the {len(judged)} tensors loses more to the block scale than "
+                       f"{LABELS[name]}'s own rounding (up to {percent(rounding_bound(name))} per value) already "
+                       f"costs; whether that rounding suits training is another question (lesson 08b: the GEMM "
+                       f"error)")
         ok = True if not (bad or unsure) else (False if bad else None)
         out.append({"recipe": name, "ok": ok, "layouts": list(RECIPES[name].layouts),
                     "rounding_bound": rounding_bound(name), "verdict": verdict})

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 from .._text import printable
+from ._blocks import LABELS
 from ._facts import percent
 
 _ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -96,13 +97,11 @@ def switch_text(sw: dict) -> list[str]:
     return lines
 
 
-_RECIPE_SHORT = {"mxfp8_e4m3": "mxfp8 e4m3", "mxfp8_e5m2": "mxfp8 e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
-                 "rowwise_fp8": "row fp8", "tile_fp8": "tile fp8"}
 
 
 def _blocks_table(bt: dict) -> tuple[list[str], list[list[str]]]:
     names = [r["recipe"] for r in bt["recipes"]]
-    head = ["tensor", "kind"] + [_RECIPE_SHORT.get(n, n) for n in names] + ["verdict"]
+    head = ["tensor", "kind"] + [LABELS.get(n, n) for n in names] + ["verdict"]
     body = []
     for t in bt["tensors"]:
         cells = [_block_cell(t["cells"].get(n)) for n in names]
@@ -129,7 +128,7 @@ def blocks_text(bt: dict) -> list[str]:
              f"settle it)"]
     for row in [head] + body:
         lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
-    lines += [f"    {r['recipe']}: {r['verdict']}" for r in bt["recipes"]]
+    lines += [f"    {LABELS.get(r['recipe'], r['recipe'])}: {r['verdict']}" for r in bt["recipes"]]
     lines.append(f"    caveat: {bt['caveat']}")
     return lines
 
@@ -164,6 +163,7 @@ def as_html(diagnosis: dict) -> str:
                      "(upper bounds); ! marks a loss beyond the format's own rounding, ? bounds that cannot settle "
                      "it.</p>"
                      f'<table class="summary"><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr>{rows}</table>'
-                     + "".join(f'<p class="note">{e(r["recipe"])}: {e(r["verdict"])}</p>' for r in bt["recipes"])
+                     + "".join(f'<p class="note">{e(LABELS.get(r["recipe"], r["recipe"]))}: {e(r["verdict"])}</p>'
+                             for r in bt["recipes"])
                      + f'<p class="note">{e(bt["caveat"])}</p>')
     return "".join(parts)

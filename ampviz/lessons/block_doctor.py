@@ -27,12 +27,12 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from ..doctor import RECIPE_LABELS
 from ..record import Recorder
 
 __all__ = ["record_blocks", "verdict_frame", "verdict_table", "flushed_frame", "RECIPE_NAMES"]
 
-RECIPE_NAMES = {"mxfp8_e4m3": "MXFP8 E4M3", "mxfp8_e5m2": "MXFP8 E5M2", "mxfp4": "MXFP4", "nvfp4": "NVFP4",
-                "rowwise_fp8": "row-wise fp8", "tile_fp8": "tiled fp8"}
+RECIPE_NAMES = RECIPE_LABELS            # each recipe's display name, as the doctor writes it
 
 
 def record_blocks(model: torch.nn.Module, data, *, steps: int = 20, every: int = 5, layouts=("mx32", "nv16"),
