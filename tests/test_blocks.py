@@ -330,3 +330,15 @@ def test_counting_makes_no_host_sync():
         assert torch.equal(on_gpu.counts.cpu(), on_cpu.counts)
         assert torch.allclose(on_gpu.sumsq.cpu(), on_cpu.sumsq, rtol=1e-12)
     assert math.isfinite(what_if(counts[0], "mxfp4").rms_error[1])
+
+
+def test_the_rms_lower_bound_counts_what_saturation_surely_costs():
+    """MX E4M3's floor scale clamps a block maximum whose mantissa is above 1.8125 to 448: that error is known from
+    the top mantissa bins, so the lower end of rms_error includes it (it once counted flushed values only: 0 here,
+    leaving the doctor unsure of tensors whose saturated maxima carry the norm)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32, generator=g) * 0.5
+    x[:, 0] = torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0) * 1.95 * 8      # every block's max, saturated
+    w, r = check(x, "mxfp8_e4m3", "mx32")
+    assert w.saturated == (64, 64) and w.flushed == (0, 0)
+    assert 0.6 * r["rms"] < w.rms_error[0] <= r["rms"] <= w.rms_error[1]

@@ -16,7 +16,8 @@ a value flushes iff ``d >= emax - log2(min_subnormal) + 2`` (E4M3: 19, E5M2: 33,
 values saturate, split exactly by the mantissa bins: the counts flushed and saturated are **exact** (values in
 blocks below 2**-112 excepted: reported as ``unsure``), and so is the squared norm flushed (up to float64 sums).
 The rounding error of kept values is not in binade counts: ``rms_error`` is an interval whose lower end counts
-the flushed values' exact error and whose upper end bounds every kept value's relative error (half an ulp,
+the flushed values' exact error and, for MX, the least error of the saturated ones (``1 - max / |q|`` at their
+mantissa bin's lower edge), and whose upper end bounds every kept value's relative error (half an ulp,
 2**-(m+1), in the normal range; ``min_subnormal / 2 / |q|`` below it; ``1 - max / |q|`` when saturated).
 
 Where the scale is not a power of two, ``|v| / amax`` is known only to within ``(2**(-d-1), 2**(-d+1)]``, and the
@@ -169,19 +170,22 @@ def _kept_bound(fmt: Format, q_low: float) -> float:
     return min(1.0, max(half_ulp, fmt.min_subnormal / 2 / q_low) if q_low < fmt.min_normal else half_ulp)
 
 
-def _top_saturation(fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    """For the 64 mantissa bins of d = 0 (m = |v| / 2**E; |q| = m * 2**emax): saturated (bool) and the relative
-    error bound of each bin's values."""
+def _top_saturation(fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the 64 mantissa bins of d = 0 (m = |v| / 2**E; |q| = m * 2**emax): saturated (bool), the relative
+    error bound of each bin's values, and the least relative error of a saturated bin's values (0 elsewhere:
+    a kept value's rounding error is not in the counts)."""
     t = fmt.overflow_threshold / 2.0 ** fmt.emax          # saturated iff m > t, or m == t when the tie rounds up
     assert (t * 32) == int(t * 32), fmt.name             # a bin edge: the split is exact
     j = np.arange(N_TOP) // 2
-    sat, bound = np.zeros(N_TOP, bool), np.zeros(N_TOP)
+    sat, bound, least = np.zeros(N_TOP, bool), np.zeros(N_TOP), np.zeros(N_TOP)
     for b in range(N_TOP):
         m = 1 + j[b] / 32
         sat[b] = (m > t or (m == t and not fmt.overflow_tie_rounds_down)) if b % 2 == 0 else m >= t
         top_m = m if b % 2 == 0 else m + 1 / 32
         bound[b] = 1 - fmt.max / (top_m * 2.0 ** fmt.emax) if sat[b] else 2.0 ** (-fmt.mantissa_bits - 1)
-    return sat, bound
+        if sat[b]:                                       # clamped to max: error 1 - max / |q|, least at the bin's
+            least[b] = max(0.0, 1 - fmt.max / (m * 2.0 ** fmt.emax))   # lower edge (exact for even bins)
+    return sat, bound, least
 
 
 def _combine(recipe: Recipe, c: np.ndarray, s: np.ndarray, per_d: dict, far: int, far_sq: float) -> WhatIf:
@@ -195,16 +199,17 @@ def _combine(recipe: Recipe, c: np.ndarray, s: np.ndarray, per_d: dict, far: int
     f_lo, f_hi = int(d_counts[per_d["flush_lo"]].sum()), int(d_counts[per_d["flush_hi"]].sum())
     sq_lo, sq_hi = float(d_sq[per_d["flush_lo"]].sum()), float(d_sq[per_d["flush_hi"]].sum())
     err_hi = float((per_d["bound"] ** 2 * d_sq).sum())
-    sat = 0
+    sat, sat_lo_sq = 0, 0.0
     if per_d["exact_top"]:
-        top_sat, top_bound = _top_saturation(recipe.element)
+        top_sat, top_bound, top_least = _top_saturation(recipe.element)
         top_c, top_sq = c[_TOP:_TOP + N_TOP], s[_TOP:_TOP + N_TOP]
         sat = int(top_c[top_sat].sum())
         err_hi += float((top_bound ** 2 * top_sq).sum()) - per_d["bound"][0] ** 2 * d_sq[0]
+        sat_lo_sq = float((top_least ** 2 * top_sq).sum())
     flushed = (max(f_lo - far, 0), min(f_hi + unsure, nonzero))
     saturated = (max(sat - far, 0), min(sat + unsure, nonzero))
     share = (lambda v: min(max(v / total_sq, 0.0), 1.0)) if total_sq > 0 else (lambda v: 0.0)
     norm_lost = (share(sq_lo - far_sq), share(sq_hi + unsure_sq))
-    rms = (math.sqrt(share(sq_lo - far_sq)), math.sqrt(share(err_hi + unsure_sq)))
+    rms = (math.sqrt(share(sq_lo - far_sq + sat_lo_sq)), math.sqrt(share(err_hi + unsure_sq)))
     return WhatIf(recipe.name, nonzero, int(c[_ZERO]), int(c[_NONFINITE]), int(c[_POISONED]), unsure, flushed,
                   saturated, norm_lost, rms)
