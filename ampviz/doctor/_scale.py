@@ -90,10 +90,8 @@ class _Scales:
     def trace(self) -> np.ndarray:
         if self._trace is None:
             if self.facts.grad_rows:
-                # partitioned gradients: the largest gradient is on whichever rank's part holds it
-                ranks = self.run.ranks if self.facts.partitioned else self.run.ranks[:1]
-                trace = np.max([trace_from_run(self.run, self.facts.grad_format, rank=r, tensors=self.facts.grad_rows)
-                                for r in ranks], axis=0)
+                # partitioned gradients: trace_from_run takes the largest over the ranks' parts
+                trace = trace_from_run(self.run, self.facts.grad_format, tensors=self.facts.grad_rows)
             else:                        # no gradient recorded: only which steps overflowed is known
                 trace = np.where(self.skipped, np.inf, 0.0)
             # a step non-finite for another reason than the scale overflows at every scale: inf, not the

@@ -48,7 +48,9 @@ def trace_from_run(run: Run, format="fp16", rank=None, tensors=None, *, return_r
     run : an ``ampviz.Run``.
     format : the format the scaled gradients were computed in (its overflow threshold is used
         for steps that overflowed).
-    rank : which rank (default: the first).
+    rank : which rank (default: the first; for a run whose ranks each recorded their own partition of the
+        gradients, DeepSpeed ZeRO 1 to 3 (``run.meta["deepspeed"]["weights"] == "partition"``), the largest over
+        all ranks, step by step, as the whole gradient's).
     tensors : names or indices of the tensors to take the maximum over (default: every gradient row, i.e. all
         but forward outputs).
     return_rules : also return, per step, the index into ``TRACE_RULES`` of the rule used.
@@ -60,6 +62,13 @@ def trace_from_run(run: Run, format="fp16", rank=None, tensors=None, *, return_r
     if not isinstance(run, Run):
         raise TypeError(f"run: expected an ampviz.Run, got {type(run).__name__}")
     fmt = get_format(format)
+    ds = run.meta.get("deepspeed")
+    if rank is None and len(run.ranks) > 1 and isinstance(ds, dict) and ds.get("weights") == "partition":
+        each = [trace_from_run(run, format, r, tensors, return_rules=True) for r in run.ranks]
+        mags = np.stack([m for m, _ in each])                            # (R, N)
+        top = np.argmax(mags, axis=0)
+        mag, rules = mags[top, np.arange(mags.shape[1])], np.stack([r for _, r in each])[top, np.arange(mags.shape[1])]
+        return (mag, rules) if return_rules else mag
     r = run.rank_index(run.ranks[0] if rank is None else rank)
     if tensors is None:        # every gradient row; forward outputs ("output" rows) are not gradients
         idx = run.tensors_of(sorted(set(KINDS) - SCALE_FREE))

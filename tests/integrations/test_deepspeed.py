@@ -321,6 +321,12 @@ def test_fp16_hysteresis_is_recorded_as_the_engine_scaled_and_replayed_exactly(r
         assert ds["scaler_start"] == {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 2}
         # the replay reads the hysteresis: without it, the first overflow would back off at once
         assert replay(dataclasses.replace(policy, hysteresis=1), trace_from_run(run)).scale.tolist() != used
+    if stage in (1, 2, 3):                             # each rank holds a part: the trace is the largest over them
+        each = np.stack([trace_from_run(run, rank=r) for r in run.ranks])
+        assert run.meta["deepspeed"]["weights"] == "partition"
+        assert np.array_equal(trace_from_run(run), each.max(axis=0))
+        assert np.array_equal(trace_from_run(run, rank=0), each[0])
+        assert (each.max(axis=0) > each[0]).any()      # rank 0's part alone misses the largest gradient somewhere
 
 
 @pytest.mark.slow
