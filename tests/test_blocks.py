@@ -342,3 +342,37 @@ def test_the_rms_lower_bound_counts_what_saturation_surely_costs():
     w, r = check(x, "mxfp8_e4m3", "mx32")
     assert w.saturated == (64, 64) and w.flushed == (0, 0)
     assert 0.6 * r["rms"] < w.rms_error[0] <= r["rms"] <= w.rms_error[1]
+
+
+def torchao_cast(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x`` (2-D) cast by torchao's own MX / NVFP4 conversion and dequantized to fp32."""
+    import warnings
+    with warnings.catch_warnings():                  # torchao's import warns about torch's pytree API
+        warnings.simplefilter("ignore")
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    if recipe == "nvfp4":                            # two-level: fp32 tensor scale amax / (448 * 6), E4M3 block scales
+        t = NVFP4Tensor.to_nvfp4(x, block_size=16, per_tensor_scale=per_tensor_amax_to_scale(x.abs().amax()))
+        return t.dequantize(torch.float32)
+    element = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2,
+               "mxfp4": torch.float4_e2m1fn_x2}[recipe]
+    return MXTensor.to_mx(x, element, 32, scaling_mode=ScaleCalculationMode.FLOOR).dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("recipe,layout", [("mxfp8_e4m3", "mx32"), ("mxfp8_e5m2", "mx32"), ("mxfp4", "mx32"),
+                                           ("nvfp4", "nv16")])
+def test_what_if_matches_torchaos_own_mx_and_nvfp4_casts(transformer_tensors, recipe, layout):
+    """torchao 0.18's MXTensor (OCP's floor scale) and NVFP4Tensor (with its per-tensor scale), on the inputs, weights
+    and gradients of a transformer layer: MX counts are exact, NVFP4's within the stated bounds."""
+    pytest.importorskip("torchao.prototype.mx_formats")
+    for name, x in transformer_tensors.items():
+        x = x.reshape(-1, x.shape[-1]).float().contiguous()
+        w = what_if(block_counts(x, layout), recipe)
+        r = real(x, torchao_cast(x, recipe), torch.zeros_like(x, dtype=torch.bool))
+        assert w.nonzero == r["nonzero"], name
+        assert w.flushed[0] <= r["flushed"] <= w.flushed[1], (name, w, r)
+        assert w.norm_lost[0] * (1 - 1e-9) <= r["norm_lost"] <= w.norm_lost[1] * (1 + 1e-9) + 1e-300, (name, w, r)
+        assert w.rms_error[0] * (1 - 1e-9) <= r["rms"] <= w.rms_error[1] * (1 + 1e-9), (name, w, r)
+        if recipe != "nvfp4":
+            assert w.exact and w.flushed[0] == r["flushed"], (name, w, r)
