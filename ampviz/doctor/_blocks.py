@@ -62,11 +62,11 @@ def cell(counts: BlockCounts, recipe: str) -> dict:
     elif w.norm_lost[1] <= NORM_LOST_OK * u * u and w.rms_error[1] <= RMS_OK * u:
         out.update(ok=True, status="ok")
     elif w.norm_lost[0] > NORM_LOST_OK * u * u or w.rms_error[0] > RMS_OK * u:
-        out.update(ok=False, status=f"loses {percent(w.norm_lost[0])} of its norm, "
+        out.update(ok=False, status=f"lossy: flushes {percent(w.norm_lost[0])} of its squared norm, "
                                     f"rms error {percent_range(w.rms_error[0], w.rms_error[1])}")
     else:                                     # the bounds straddle a threshold: say so, do not call it lossy
-        out.update(ok=None, status=f"unsure: loses up to {percent(w.norm_lost[1])} of its norm, rms error up to "
-                                   f"{percent(w.rms_error[1])} (bounds; the counts cannot settle it)")
+        out.update(ok=None, status=f"unsure: flushes up to {percent(w.norm_lost[1])} of its squared norm, rms error "
+                                   f"up to {percent(w.rms_error[1])} (bounds; the counts cannot settle it)")
     return out
 
 
@@ -94,7 +94,7 @@ def tensor_row(tensor: str, kind: str, counts: dict[str, BlockCounts]) -> dict:
 
 def recipe_verdicts(rows: list[dict]) -> list[dict]:
     """Per recipe: ok (True) when every judged tensor is, False when one certainly is not (with how many and the
-    worst by norm lost), None when bounds leave some unsettled."""
+    worst by squared norm flushed), None when bounds leave some unsettled."""
     out = []
     for name in RECIPES:
         cells = [(r, r["cells"][name]) for r in rows if name in r["cells"]]
