@@ -99,9 +99,23 @@ def summary_rows(run: Run, format="fp16") -> list[tuple[str, str]]:
     if not (constant and s["scale_min"] == 1.0):          # with no scaling at all, the row above says it
         frac, name = worst_without_scaling(run, fmt)
         rows.append((f"{fmt.name} without scaling", f"worst flushed to zero {_worst(frac, name)}"))
+    if run.update_steps is not None:
+        states = f"; optimizer state: {', '.join(run.state_names)}" if run.state_counts is not None else ""
+        rows.append(("weight updates", f"measured at {_steps_span(run.update_steps)}{states}"))
+    if run.blocks is not None:
+        b = run.blocks
+        rows.append(("block statistics", f"{_steps_span(b.steps)}, {len(dict.fromkeys(b.modules))} Linear modules, "
+                                         f"layouts {', '.join(lay.name for lay in b.layouts)}"))
     if "demo" in run.meta:
         rows.append(("test accuracy", f"{100 * run.meta['demo']['test_accuracy']:.1f}% (ampviz demo)"))
     return rows
+
+
+def _steps_span(steps) -> str:
+    """``"3 steps (0 to 200)"``: how many steps and the first and last."""
+    n = len(steps)
+    return f"{n} step{'s' if n != 1 else ''}" + (f" ({steps[0]} to {steps[-1]})" if n > 1 else
+                                                  f" ({steps[0]})" if n else "")
 
 
 def _flushed_text(flushed: list) -> str:

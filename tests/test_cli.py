@@ -460,3 +460,35 @@ def test_errors_through_python_dash_m_have_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [f"ampviz: error: {tmp_path / 'missing.npz'}: no such file or directory"]
+
+
+def test_info_says_which_optional_captures_a_run_holds(tmp_path, capsys):
+    """updates= and blocks= each add a row to `ampviz info` (steps measured, optimizer state, modules, layouts);
+    a run without them has neither row."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = tmp_path / "run.npz"
+    with ampviz.Recorder(model, opt, updates=2, blocks={"every": 3, "layouts": ["mx32", "row"]}, path=path) as rec:
+        for _ in range(7):
+            torch.nn.functional.cross_entropy(model(torch.randn(8, 32)), torch.randint(0, 4, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    run = ampviz.Run.load(path)
+    u, b = run.update_steps.tolist(), run.blocks.steps.tolist()
+    assert b == [0, 3, 6] and len(u) >= 2
+    assert re.search(rf"weight updates\s+measured at {len(u)} steps \({u[0]} to {u[-1]}\); optimizer state: "
+                     rf"exp_avg, exp_avg_sq", out), out
+    assert re.search(r"block statistics\s+3 steps \(0 to 6\), 2 Linear modules, layouts mx32, row", out), out
+    plain = tmp_path / "plain.npz"
+    with ampviz.Recorder(model, opt, path=plain) as rec:
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 32)), torch.randint(0, 4, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step()
+    assert main(["info", str(plain)]) == 0
+    out = capsys.readouterr().out
+    assert "weight updates" not in out and "block statistics" not in out
