@@ -36,7 +36,7 @@ from .data import Split
 __all__ = ["norm_net", "train_recorded", "update_shares", "moved_elements", "largest_rel_step", "compare",
            "stall_figure", "OUTCOMES", "LR"]
 
-LR = 1e-4                      # Adam's step is about lr: far below half a bf16 ulp of a weight near 1 (2**-9)
+LR = 1e-4                      # Adam's step is at most about lr: far below half a bf16 ulp of a weight near 1 (2**-9)
 
 
 def norm_net(seed: int = 0, d_in: int = 64, width: int = 64, d_out: int = 10) -> nn.Sequential:
@@ -62,7 +62,7 @@ def train_recorded(data: Split, pure: bool, seed: int = 0, lr: float = LR, steps
     ----------
     data : the digits (``ampviz.lessons.data.digits``), on the CPU or a GPU.
     pure : True: parameters, gradients and Adam's state in bf16 (``model.to(torch.bfloat16)``); False: fp32
-        parameters, forward under ``torch.autocast(..., dtype=torch.bfloat16)`` (fp32 master weights).
+        parameters, forward under ``torch.amp.autocast(..., dtype=torch.bfloat16)`` (fp32 master weights).
     seed : initial weights (``norm_net(seed)``) and batch order (``seed + 1``); the same for both variants.
     lr : Adam's learning rate. updates : measure the applied updates every this many steps.
 
@@ -81,7 +81,7 @@ def train_recorded(data: Split, pure: bool, seed: int = 0, lr: float = LR, steps
         for _ in range(steps):
             idx = torch.randint(0, len(data.x_train), (batch_size,), generator=order).to(device)
             x = data.x_train[idx].to(torch.bfloat16 if pure else torch.float32)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not pure):
+            with torch.amp.autocast(device.type, dtype=torch.bfloat16, enabled=not pure):
                 loss = F.cross_entropy(model(x).float(), data.y_train[idx])
             loss.backward()
             opt.step()
