@@ -5,7 +5,8 @@ optionally a ``GradScaler``) under ``ampviz.Recorder(model, optimizer, blocks={"
 and returns the run; ``run.diagnose()["blocks"]`` is the doctor's "can I switch to block-scaled formats?".
 :func:`verdict_frame` lays that table out as a DataFrame (one row per recorded tensor, the share of its squared
 norm each recipe flushes and the cast's relative RMS error, upper bounds as the doctor judges them;
-:func:`verdict_table` styles it, the cells the doctor did not call ok shaded) and
+:func:`verdict_table` styles it, the cells the doctor did not call ok shaded), :func:`recipe_frame` gives each
+recipe's call (yes / probably / not as is, and the tensors that keep it from a yes) and
 :func:`flushed_frame` sets, for one MX recipe, the share of *values* flushed (exact) beside the share of the
 squared norm::
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from ..doctor import RECIPE_LABELS
 from ..record import Recorder
 
-__all__ = ["record_blocks", "verdict_frame", "verdict_table", "flushed_frame", "RECIPE_NAMES"]
+__all__ = ["record_blocks", "verdict_frame", "verdict_table", "recipe_frame", "flushed_frame", "RECIPE_NAMES"]
 
 RECIPE_NAMES = RECIPE_LABELS            # each recipe's display name, as the doctor writes it
 
@@ -73,18 +74,19 @@ def record_blocks(model: torch.nn.Module, data, *, steps: int = 20, every: int =
 def verdict_frame(blocks: dict) -> pd.DataFrame:
     """The doctor's block table (``run.diagnose()["blocks"]``) as a DataFrame: one row per tensor, for each
     recipe judged the share of the squared norm flushed and the relative RMS error (upper bounds, as the doctor
-    judges them), then the doctor's verdict for the tensor."""
+    judges them), then the doctor's verdict for the tensor (blank when every recipe's cell is ok)."""
     recipes = [r["recipe"] for r in blocks["recipes"]]
-    columns = pd.MultiIndex.from_tuples([(RECIPE_NAMES[r], m) for r in recipes for m in ("norm lost", "RMS error")]
-                                        + [("verdict", "")])
-    rows = [[t["cells"][r][key] for r in recipes for key in ("norm_lost", "rms_error")] + [t["verdict"]]
+    columns = pd.MultiIndex.from_tuples([(RECIPE_NAMES[r], m) for r in recipes
+                                         for m in ("sq. norm flushed", "RMS error")] + [("verdict", "")])
+    rows = [[t["cells"][r][key] for r in recipes for key in ("norm_lost", "rms_error")]
+            + ["" if all(c["ok"] is True for c in t["cells"].values()) else t["verdict"]]
             for t in blocks["tensors"]]
     return pd.DataFrame(rows, index=[t["tensor"] for t in blocks["tensors"]], columns=columns)
 
 
 def verdict_table(blocks: dict):
     """:func:`verdict_frame` styled: percentages, each cell the doctor did not call ok shaded (amber: unsure,
-    red: lossy), and a caption with each recipe's verdict."""
+    red: lossy); each recipe's verdict is :func:`recipe_frame`'s."""
     frame = verdict_frame(blocks)
     recipes = [r["recipe"] for r in blocks["recipes"]]
     shade = {False: "background-color: #f4c2c2", None: "background-color: #fde8b0"}
@@ -97,11 +99,23 @@ def verdict_table(blocks: dict):
         return out
 
     numbers = pd.IndexSlice
-    caption = " · ".join(f"{RECIPE_NAMES[r['recipe']]}: {r['verdict']}" for r in blocks["recipes"])
-    return (frame.style.format("{:.1e}", subset=numbers[:, numbers[:, "norm lost"]])
+    return (frame.style.format("{:.1e}", subset=numbers[:, numbers[:, "sq. norm flushed"]])
             .format("{:.1%}", subset=numbers[:, numbers[:, "RMS error"]]).apply(calls, axis=None)
             .set_caption(f"The doctor on {len(blocks['steps'])} recorded steps: share of the squared norm flushed, "
-                         f"relative RMS error of the cast (upper bounds); shaded: unsure, or lossy · {caption}"))
+                         f"relative RMS error of the cast (upper bounds); shaded: unsure (amber) or lossy (red)"))
+
+
+def recipe_frame(blocks: dict) -> pd.DataFrame:
+    """Each recipe's call from the doctor's block table: "yes" (every judged tensor ok), "probably" (none
+    lossy, some unsure) or "not as is" (some lossy), and the tensors that keep it from a yes (lossy ones when
+    there are any, else the unsure ones)."""
+    rows = {}
+    for r in blocks["recipes"]:
+        cells = {t["tensor"]: t["cells"][r["recipe"]] for t in blocks["tensors"] if r["recipe"] in t["cells"]}
+        call = {True: "yes", None: "probably", False: "not as is"}[r["ok"]]
+        worst = [t for t, c in cells.items() if c["ok"] is False] or [t for t, c in cells.items() if c["ok"] is None]
+        rows[RECIPE_NAMES[r["recipe"]]] = {"call": call, "not ok": ", ".join(worst) if r["ok"] is not True else ""}
+    return pd.DataFrame(rows).T
 
 
 def flushed_frame(blocks: dict, recipe: str = "mxfp4") -> pd.DataFrame:

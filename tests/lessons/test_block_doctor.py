@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from ampviz import AmpvizWarning
+from ampviz.blocks import block_counts, what_if
 from ampviz.examples.trainer import train_classifier
-from ampviz.lessons.block_doctor import flushed_frame, record_blocks, verdict_frame, verdict_table
+from ampviz.lessons.block_doctor import flushed_frame, recipe_frame, record_blocks, verdict_frame, verdict_table
 from ampviz.lessons.block_scaling import mx_fates, quantize_blocks
 from ampviz.lessons.data import digits
 from ampviz.lessons.fp8_scaling import capture_linear_operands
@@ -47,13 +48,18 @@ def test_the_lessons_block_verdicts_hold_over_seeds(data, seed):
     assert unsure <= {(HEAD_G, "mxfp8_e4m3")}
     # the lesson's batch of §4 / §6, from the same model: its real casts
     ops = capture_linear_operands(model, F.cross_entropy, data.x_train[:256], data.y_train[:256])
-    g = ops["head"].grad
-    assert (g.abs().amax(dim=1) ** 2).sum() > 0.5 * (g ** 2).sum()
+    g, labels = ops["head"].grad, data.y_train[:256]
+    with torch.no_grad():
+        p = torch.softmax(model(data.x_train[:256]), dim=1)
+    rows = torch.arange(len(labels))
+    confident = p[rows, labels] == 1                          # p_y rounds to 1 in fp32, so g_y = (p_y - 1) / N is 0
+    assert confident.any() and (g[rows, labels][confident] == 0).all()
     real = mx_fates(g, "e2m1", 32)
     assert real["flushed"] / real["nonzero"] > 0.5
     floor_error, rceil_error = (float((quantize_blocks(g, element="e4m3", block=32, rule=rule) - g).norm() / g.norm())
                                 for rule in ("ocp", "rceil"))
-    assert floor_error < judged[(HEAD_G, "mxfp8_e4m3")]["rms_error"] and rceil_error < u["mxfp8_e4m3"]
+    batch = what_if(block_counts(g, "mx32", dim=-1, pad=True), "mxfp8_e4m3")   # like with like: this batch's bounds
+    assert batch.rms_error[0] <= floor_error <= batch.rms_error[1] and rceil_error < u["mxfp8_e4m3"]
 
 
 def test_a_power_of_two_loss_scale_changes_no_number_and_the_table_shades_what_is_not_ok(data):
@@ -67,5 +73,10 @@ def test_a_power_of_two_loss_scale_changes_no_number_and_the_table_shades_what_i
     html = verdict_table(plain).to_html()
     shaded = any(c["ok"] is None for t in plain["tensors"] for c in t["cells"].values())
     assert ("#fde8b0" in html) == shaded and "#f4c2c2" not in html
+    calls = recipe_frame(plain)
+    probably = {name for name, call in calls["call"].items() if call == "probably"}
+    assert set(calls["call"]) <= {"yes", "probably"} and probably == ({"MXFP8 E4M3"} if shaded else set())
+    assert (calls.loc[list(probably), "not ok"] == HEAD_G).all() and (calls["not ok"] == "").sum() == 4 - len(probably)
+    assert verdict_frame(plain)["verdict"].eq("").sum() == 12 - shaded          # blank where every recipe is ok
     with pytest.raises(ValueError, match="exact"):
         flushed_frame(plain, "nvfp4")
