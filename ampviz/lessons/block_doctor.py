@@ -102,7 +102,8 @@ def verdict_table(blocks: dict):
     return (frame.style.format("{:.1e}", subset=numbers[:, numbers[:, "sq. norm flushed"]])
             .format("{:.1%}", subset=numbers[:, numbers[:, "RMS error"]]).apply(calls, axis=None)
             .set_caption(f"The doctor on {len(blocks['steps'])} recorded steps: share of the squared norm flushed, "
-                         f"relative RMS error of the cast (upper bounds); shaded: unsure (amber) or lossy (red)"))
+                         f"relative RMS error of the cast (upper bounds; the squared norm flushed exact under MX); "
+                         f"shaded: unsure (amber) or lossy (red); verdict blank where every recipe is ok"))
 
 
 def recipe_frame(blocks: dict) -> pd.DataFrame:
