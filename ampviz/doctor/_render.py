@@ -84,14 +84,17 @@ def _cell(share: dict) -> str:
     return f"{percent(share['flushed'])} / {percent(share['overflow'])}"
 
 
+def _aligned(head: list[str], body: list[list[str]]) -> list[str]:
+    """A text table: every column but the last (a verdict, left ragged) padded to its widest cell."""
+    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head) - 1)]
+    return ["    " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in [head] + body]
+
+
 def switch_text(sw: dict) -> list[str]:
     """The "can I switch precision?" table as text lines."""
-    head, body = _table(sw)
-    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head) - 1)]
     lines = [f"  can I switch precision? (from {sw['from']}; cells: flushed / overflowed share of the non-zero "
              f"values; ok below {percent(sw['ok_share'])} flushed and nothing overflowed)"]
-    for row in [head] + body:
-        lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    lines += _aligned(*_table(sw))
     lines += [f"    {t['target']}: {t['verdict']}" for t in sw["targets"]]
     lines.append(f"    caveat: {sw['caveat']}")
     return lines
@@ -119,15 +122,12 @@ def _block_cell(c: dict | None) -> str:
 
 def blocks_text(bt: dict) -> list[str]:
     """The block-scaled what-if table as text lines."""
-    head, body = _blocks_table(bt)
-    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head) - 1)]
     steps = bt["steps"]
     lines = [f"  can I switch to block-scaled formats? (block statistics of {len(steps)} recorded step"
              f"{'s' if len(steps) != 1 else ''}; cells: share of the squared norm flushed / relative RMS error of "
              f"the cast, upper bounds; '!' marks a loss beyond the format's own rounding, '?' bounds that cannot "
              f"settle it)"]
-    for row in [head] + body:
-        lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    lines += _aligned(*_blocks_table(bt))
     lines += [f"    {LABELS.get(r['recipe'], r['recipe'])}: {r['verdict']}" for r in bt["recipes"]]
     lines.append(f"    caveat: {bt['caveat']}")
     return lines

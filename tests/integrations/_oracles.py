@@ -168,3 +168,16 @@ def run_docs_torchrun_script(tmp_path, script: str, **env_extra) -> None:
                           "--master-addr", "127.0.0.1", "--master-port", str(port), script],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
+
+
+# DeepSpeed on the CPU: fp16 engines only where its accelerator has fp16 (test_deepspeed, test_transformers_deepspeed)
+def _fp16_on_cpu() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())     # what DeepSpeed's CPU accelerator asks
+    except Exception:
+        return False
+
+
+FP16 = _fp16_on_cpu()
+needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
+                                                 "(no avx512_fp16 / AMX-FP16): fp16 engines are refused")

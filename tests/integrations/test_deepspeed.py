@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _oracles import FP16, needs_fp16
 
 import ampviz
 import ampviz.histogram as H
@@ -61,18 +62,6 @@ FP16_HIGH_HYST = {"name": "fp16_zero1_high", "stage": 1, "dtype": "fp16", "steps
                   "fp16": {"initial_scale_power": 20}}
 # fp16 with nothing planted: the scale grows every 3 steps and never overflows
 FP16_CLEAN = {"name": "fp16_zero2_clean", "stage": 2, "dtype": "fp16", "steps": HYST_STEPS}
-
-
-def _fp16_on_cpu() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())     # what DeepSpeed's CPU accelerator asks
-    except Exception:
-        return False
-
-
-FP16 = _fp16_on_cpu()
-needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
-                                                 "(no avx512_fp16 / AMX-FP16): fp16 engines are refused")
 
 
 @pytest.fixture(scope="module")

@@ -26,25 +26,13 @@ import socket
 
 import numpy as np
 import pytest
-import torch
 import torch.multiprocessing as mp
+from _oracles import FP16, needs_fp16
 
 import ampviz
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
-
-
-def _fp16_on_cpu() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())     # what DeepSpeed's CPU accelerator asks
-    except Exception:
-        return False
-
-
-FP16 = _fp16_on_cpu()
-needs_fp16 = pytest.mark.skipif(not FP16, reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
-                                                 "(no avx512_fp16 / AMX-FP16): fp16 engines are refused")
 
 
 @pytest.fixture(scope="module")
